@@ -1,0 +1,58 @@
+"""egmla: Embedding-Gated Multi-head Latent Attention for Hugging Face transformers.
+
+Importing the package registers `EGMLAConfig`, `EGMLAModel` and `EGMLAForCausalLM` with the Auto classes, and
+marks them for Hub remote code, so `save_pretrained` writes the two model files and `auto_map` next to the weights.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration_egmla import EGMLAConfig
+from .modeling_egmla import (
+    EGMLACache,
+    EGMLAForCausalLM,
+    EGMLALatentCacheLayer,
+    EGMLAModel,
+    EGMLAPreTrainedModel,
+    cache_nbytes,
+)
+
+__version__ = "0.1.0"
+
+# Module names for PEFT's `target_modules` (see README): every linear layer of attention and MLP.
+LORA_TARGET_MODULES = [
+    "q_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "o_proj",
+    "gate_embedding_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+]
+
+AutoConfig.register(EGMLAConfig.model_type, EGMLAConfig, exist_ok=True)
+AutoModel.register(EGMLAConfig, EGMLAModel, exist_ok=True)
+AutoModelForCausalLM.register(EGMLAConfig, EGMLAForCausalLM, exist_ok=True)
+EGMLAConfig.register_for_auto_class()
+EGMLAModel.register_for_auto_class("AutoModel")
+EGMLAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+
+def gate_table_names(config: EGMLAConfig) -> list[str]:
+    """Module names of the gate tables, for PEFT's `modules_to_save` (train the tables alongside LoRA)."""
+    return [f"gate_embeddings.{index}" for index in range(config.num_gate_tables)]
+
+
+__all__ = [
+    "EGMLACache",
+    "EGMLAConfig",
+    "EGMLAForCausalLM",
+    "EGMLALatentCacheLayer",
+    "EGMLAModel",
+    "EGMLAPreTrainedModel",
+    "LORA_TARGET_MODULES",
+    "cache_nbytes",
+    "gate_table_names",
+]

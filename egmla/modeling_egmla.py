@@ -1,0 +1,664 @@
+"""EG-MLA: Embedding-Gated Multi-head Latent Attention (arXiv 2509.16686) for Hugging Face transformers.
+
+Read top to bottom: norms, rotary embedding, MLP, the latent cache, the attention, the decoder layer, the models.
+Shapes use B batch, S new tokens, T cached + new tokens, H query heads, Hr rope keys, r = kv_lora_rank,
+dn/dr/dv = qk_nope/qk_rope/v head dims, de = gate_embedding_dim.
+
+This file is also shipped as Hub remote code: it imports only torch, transformers and `configuration_egmla`.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_egmla import EGMLA_LAYER_TYPE, EGMLAConfig
+
+logger = logging.get_logger(__name__)
+
+
+class EGMLARMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class EGMLARotaryEmbedding(nn.Module):
+    """Rotary embedding over `qk_rope_head_dim` dims (the config sets `head_dim` to it for the rope utilities)."""
+
+    def __init__(self, config: EGMLAConfig):
+        super().__init__()
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.config = config
+        self.rope_type = config.rope_parameters["rope_type"]
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: EGMLAConfig, **kwargs) -> tuple[torch.Tensor, float]:
+        base = config.rope_parameters["rope_theta"]
+        dim = config.qk_rope_head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates `x` [B, heads, S, dr] by `cos`/`sin` [B, S, dr] (half-split layout, as Llama and DeepSeek-V3)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def attention_scaling(config: EGMLAConfig) -> float:
+    """1/sqrt(qk head dim), times DeepSeek's YaRN mscale^2 when `mscale_all_dim` is set."""
+    scaling = config.qk_head_dim**-0.5
+    rope = config.rope_parameters
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        factor = rope["factor"]
+        mscale = 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scaling = scaling * mscale * mscale
+    return scaling
+
+
+class EGMLAMLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, config: EGMLAConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class EGMLAGateTable(nn.Embedding):
+    """E^{(k)}: one gate-embedding row per token id. Rows start with unit variance so that the zero-initialised
+    up-projection receives gradients of a normal size."""
+
+
+class EGMLAGateProjection(nn.Linear):
+    """W^{UE}: gate embedding -> gate. It starts at zero, so a fresh gate 1 + W^{UE} e is the identity."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The latent cache
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class EGMLALatentCacheLayer(DynamicLayer):
+    """One layer's cache: the latent `keys` [B, 1, T, r] and the rotated rope keys `values` [B, 1, T, Hr*dr].
+
+    Both are kept as single-"head" 4-D tensors, as DeepSeek does, so every generic cache path (masks, offload,
+    beam reorder) works unchanged. The layer that the model asks to (layer 0) also keeps the context's token ids
+    [B, T], once per sequence, so the gate of past tokens can be rebuilt; every batch or length operation keeps
+    them aligned with the latent.
+    """
+
+    _layer_type = EGMLA_LAYER_TYPE
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.token_ids: torch.Tensor | None = None
+
+    def update_token_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Appends the new token ids [B, S] and returns those of the whole context [B, T]."""
+        if self.token_ids is None:
+            self.token_ids = input_ids
+        else:
+            self.token_ids = torch.cat([self.token_ids, input_ids.to(self.token_ids.device)], dim=-1)
+        return self.token_ids
+
+    def reset(self) -> None:
+        super().reset()
+        self.token_ids = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0 and self.token_ids is not None:
+            self.token_ids = self.token_ids[:, :tokens_to_remove]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.token_ids is not None:
+            self.token_ids = self.token_ids.index_select(0, beam_idx.to(self.token_ids.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.token_ids is not None:
+            self.token_ids = self.token_ids.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.token_ids is not None:
+            self.token_ids = self.token_ids[indices, ...]
+
+    def offload(self) -> None:
+        super().offload()
+        if self.token_ids is not None:
+            self.token_ids = self.token_ids.to("cpu", non_blocking=True)
+
+    def prefetch(self) -> None:
+        super().prefetch()
+        if self.token_ids is not None and self.token_ids.device != self.device:
+            self.token_ids = self.token_ids.to(self.device, non_blocking=True)
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor this layer holds."""
+        tensors = (self.keys, self.values, self.token_ids)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class EGMLACache(DynamicCache):
+    """A `DynamicCache` of `EGMLALatentCacheLayer`s, for passing explicitly: `model(..., cache=EGMLACache(config))`.
+
+    `generate` builds an equivalent `DynamicCache(config=...)` by itself (the config's `layer_types` name our
+    layer); `cache_nbytes` measures either.
+    """
+
+    def __init__(self, config: EGMLAConfig, offloading: bool = False):
+        super().__init__(config=config, offloading=offloading)
+
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        return self.layers[0].token_ids
+
+    def nbytes(self) -> int:
+        return cache_nbytes(self)
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes of every tensor a cache holds (latents, rope keys, token ids; keys/values of any other layer)."""
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, EGMLALatentCacheLayer):
+            total += layer.nbytes()
+        else:
+            total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention over already expanded heads: query/key [B, H, S|T, dn+dr], value [B, H, T, dv]."""
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value)
+    return attn_output.transpose(1, 2).contiguous(), attn_weights
+
+
+def mask_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Applies a transformers mask (bool: True = attend; float: additive; None: causal) to scores [B, H, S, T]."""
+    if attention_mask is None:
+        query_length, key_length = scores.shape[-2:]
+        if query_length == 1:
+            return scores
+        # None means plain causal: query i sits at position key_length - query_length + i.
+        attention_mask = torch.ones(query_length, key_length, dtype=torch.bool, device=scores.device).tril(
+            key_length - query_length
+        )
+    if attention_mask.dtype == torch.bool:
+        return scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    return scores + attention_mask
+
+
+class EGMLAAttention(nn.Module):
+    """Multi-head latent attention with an embedding gate (design note, section 2).
+
+    Prefill and training expand the latent to per-head keys and values and run the configured attention
+    function (sdpa, eager, ...). Decoding with `gate_position="kv"` re-expands every cached latent and rebuilds
+    the gate from the cached token ids; with `gate_position="latent"` it runs the absorbed MQA over the cached
+    `[latent ; rope key]` without any expansion.
+    """
+
+    def __init__(self, config: EGMLAConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.qk_head_dim = config.qk_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.rope_key_heads = config.rope_key_heads
+        self.gate_position = config.gate_position
+        self.attention_dropout = config.attention_dropout
+        self.scaling = attention_scaling(config)
+        self.is_causal = True
+        self.num_key_value_groups = 1  # keys and values reach the attention function expanded to every head
+
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = EGMLARMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+
+        self.kv_a_proj_with_mqa = nn.Linear(
+            config.hidden_size, config.kv_lora_rank + config.rope_key_heads * config.qk_rope_head_dim, bias=False
+        )
+        self.kv_a_layernorm = (
+            EGMLARMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_latent_norm else None
+        )
+        self.kv_b_proj = nn.Linear(
+            config.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, config.hidden_size, bias=False)
+
+        # W^{UE}: gate embedding -> gate over what it multiplies (per-head K/V, or the latent); starts at zero.
+        self.gate_embedding_proj = None
+        self.gate_norm = None
+        if config.gate_enabled:
+            gated_width = self.kv_lora_rank if self.gate_position == "latent" else self.qk_nope_head_dim + self.v_head_dim
+            gate_out = gated_width if self.gate_position == "latent" else self.num_heads * gated_width
+            self.gate_embedding_proj = EGMLAGateProjection(config.gate_embedding_dim, gate_out, bias=False)
+            if config.gate_norm == "rms":
+                self.gate_norm = EGMLARMSNorm(gated_width, eps=config.rms_norm_eps)
+
+    def project_query(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            return self.q_proj(hidden_states)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+
+    def gate(self, states: torch.Tensor, gate_embedding: torch.Tensor) -> torch.Tensor:
+        """states [B, T, W] * (1 + W^{UE} e) [B, T, W]."""
+        return states * (1 + self.gate_embedding_proj(gate_embedding))
+
+    def expand_kv(
+        self, latent: torch.Tensor, rope_key: torch.Tensor, gate_embedding: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr] -> key [B, H, T, dn+dr], value [B, H, T, dv]."""
+        batch_size, _, seq_length, _ = latent.shape
+        kv = self.kv_b_proj(latent[:, 0])  # [B, T, H*(dn+dv)]
+        if self.gate_position == "kv" and self.gate_embedding_proj is not None:
+            kv = self.gate(kv, gate_embedding)
+        kv = kv.view(batch_size, seq_length, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        if self.gate_position == "kv" and self.gate_norm is not None:
+            kv = self.gate_norm(kv)
+        k_nope, value = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_rope = rope_key.view(batch_size, seq_length, self.rope_key_heads, self.qk_rope_head_dim).transpose(1, 2)
+        k_rope = k_rope.repeat_interleave(self.num_heads // self.rope_key_heads, dim=1)  # [B, H, T, dr]
+        return torch.cat([k_nope, k_rope], dim=-1), value
+
+    def kv_b_weight(self) -> torch.Tensor:
+        """W^{UKV} as [H, dn+dv, r], including any adapter (e.g. LoRA) wrapped around `kv_b_proj`."""
+        if type(self.kv_b_proj) is nn.Linear:
+            weight = self.kv_b_proj.weight
+        else:
+            eye = torch.eye(self.kv_lora_rank, device=self.o_proj.weight.device, dtype=self.o_proj.weight.dtype)
+            weight = self.kv_b_proj(eye).T
+        return weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+
+    def absorbed_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        rope_key: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MQA over the cached latent (W^{UK} folded into the query, W^{UV} applied after the weighted sum).
+
+        q_nope [B, H, S, dn], q_rope [B, H, S, dr], latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr].
+        Returns the output [B, S, H, dv] and the attention weights [B, H, S, T].
+        """
+        batch_size, _, query_length, _ = q_nope.shape
+        key_length = latent.shape[2]
+        weight = self.kv_b_weight()
+        w_uk, w_uv = weight.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        q_latent = torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk)  # [B, H, S, r]
+        scores = torch.matmul(q_latent, latent.transpose(2, 3))  # [B, H, S, T]
+        group = self.num_heads // self.rope_key_heads
+        q_rope = q_rope.view(batch_size, self.rope_key_heads, group, query_length, self.qk_rope_head_dim)
+        k_rope = rope_key.view(batch_size, key_length, self.rope_key_heads, self.qk_rope_head_dim)
+        k_rope = k_rope.permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hr, 1, dr, T]
+        scores = scores + torch.matmul(q_rope, k_rope).view(batch_size, self.num_heads, query_length, key_length)
+        scores = mask_scores(scores * self.scaling, attention_mask)
+        probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        probs = nn.functional.dropout(probs, p=self.attention_dropout, training=self.training)
+        out_latent = torch.matmul(probs, latent)  # [B, H, S, r]
+        output = torch.einsum("bhsr,hvr->bshv", out_latent, w_uv)
+        return output, probs
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None = None,
+        gate_embedding: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """gate_embedding: [B, T, de] (the whole context) for `gate_position="kv"`, [B, S, de] for `"latent"`."""
+        batch_size, seq_length = hidden_states.shape[:-1]
+
+        query = self.project_query(hidden_states).view(batch_size, seq_length, self.num_heads, self.qk_head_dim)
+        q_nope, q_rope = query.transpose(1, 2).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+
+        latent, rope_key = self.kv_a_proj_with_mqa(hidden_states).split(
+            [self.kv_lora_rank, self.rope_key_heads * self.qk_rope_head_dim], dim=-1
+        )
+        if self.kv_a_layernorm is not None:
+            latent = self.kv_a_layernorm(latent)
+        if self.gate_position == "latent" and self.gate_embedding_proj is not None:
+            latent = self.gate(latent, gate_embedding)
+            if self.gate_norm is not None:
+                latent = self.gate_norm(latent)
+
+        cos, sin = position_embeddings
+        q_rope = apply_rotary(q_rope, cos, sin)
+        rope_key = rope_key.view(batch_size, seq_length, self.rope_key_heads, self.qk_rope_head_dim).transpose(1, 2)
+        rope_key = apply_rotary(rope_key, cos, sin).transpose(1, 2).reshape(batch_size, 1, seq_length, -1)
+        latent = latent.view(batch_size, 1, seq_length, self.kv_lora_rank)
+
+        past_length = 0
+        if cache is not None:
+            past_length = cache.get_seq_length(self.layer_idx)
+            latent, rope_key = cache.update(latent, rope_key, self.layer_idx)  # [B, 1, T, r], [B, 1, T, Hr*dr]
+
+        if past_length > 0 and self.gate_position == "latent":
+            attn_output, attn_weights = self.absorbed_attention(q_nope, q_rope, latent, rope_key, attention_mask)
+        else:
+            key, value = self.expand_kv(latent, rope_key, gate_embedding)
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+            attn_output, attn_weights = attention_interface(
+                self,
+                torch.cat([q_nope, q_rope], dim=-1),
+                key,
+                value,
+                attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                **kwargs,
+            )
+
+        attn_output = self.o_proj(attn_output.reshape(batch_size, seq_length, -1))
+        return attn_output, attn_weights
+
+
+class EGMLADecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: EGMLAConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = EGMLAAttention(config, layer_idx)
+        self.mlp = EGMLAMLP(config)
+        self.input_layernorm = EGMLARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = EGMLARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        gate_embedding: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            cache=cache,
+            gate_embedding=gate_embedding,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class EGMLAPreTrainedModel(PreTrainedModel):
+    config: EGMLAConfig
+    config_class = EGMLAConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["EGMLADecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = False  # flash kernels need equal q/k and v head dims
+    _supports_flex_attn = False
+    _supports_attention_backend = False  # the latent cache is private to this model
+    _can_record_outputs = {"hidden_states": EGMLADecoderLayer, "attentions": EGMLAAttention}
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        # Leaf modules only: as remote code, modules without parameters of their own are skipped.
+        if isinstance(module, EGMLAGateProjection):
+            init.zeros_(module.weight)
+        elif isinstance(module, EGMLAGateTable):
+            init.normal_(module.weight, mean=0.0, std=1.0)
+        else:
+            super()._init_weights(module)
+
+
+class EGMLAModel(EGMLAPreTrainedModel):
+    def __init__(self, config: EGMLAConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        # E^{(k)}: one gate table per group of `gate_layers_per_table` layers (none when the gate is off).
+        self.gate_embeddings = nn.ModuleList(
+            EGMLAGateTable(config.vocab_size, config.gate_embedding_dim) for _ in range(config.num_gate_tables)
+        )
+        self.layers = nn.ModuleList(EGMLADecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = EGMLARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = EGMLARotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def check_input_ids(self, input_ids: torch.Tensor) -> None:
+        """Out-of-range ids would index past the embedding and gate tables: refuse them with a clear error."""
+        if input_ids.numel() == 0:
+            return
+        low, high = input_ids.min().item(), input_ids.max().item()
+        if low < 0 or high >= self.config.vocab_size:
+            raise ValueError(
+                f"input_ids must lie in [0, vocab_size={self.config.vocab_size}); got values from {low} to {high}."
+            )
+
+    def context_token_ids(self, input_ids: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+        """Token ids whose gate the layers need: the whole context for `gate_position="kv"`, else the new ones."""
+        if cache is None or not self.config.caches_token_ids:
+            return input_ids
+        first_layer = cache.layers[0] if len(cache.layers) else None
+        if not isinstance(first_layer, EGMLALatentCacheLayer):
+            raise ValueError(
+                "EG-MLA with gate_position='kv' needs a cache that keeps token ids: pass "
+                f"`EGMLACache(model.config)` or `DynamicCache(config=model.config)`, not {type(cache).__name__} "
+                f"with {type(first_layer).__name__} layers."
+            )
+        return first_layer.update_token_ids(input_ids)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if input_ids is not None:
+            self.check_input_ids(input_ids)
+        elif self.config.gate_enabled:
+            raise ValueError("The EG-MLA gate is looked up by token id: pass input_ids, not inputs_embeds.")
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+
+        if use_cache and cache is None:
+            cache = EGMLACache(self.config)
+
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+
+        gate_embeddings = []
+        if self.config.gate_enabled:
+            token_ids = self.context_token_ids(input_ids, cache)
+            gate_embeddings = [table(token_ids) for table in self.gate_embeddings]  # each [B, T or S, de]
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for layer_idx, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            gate_embedding = (
+                gate_embeddings[layer_idx // self.config.gate_layers_per_table] if gate_embeddings else None
+            )
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                gate_embedding=gate_embedding,
+                **kwargs,
+            )
+
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+
+class EGMLAForCausalLM(EGMLAPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: EGMLAConfig):
+        super().__init__(config)
+        self.model = EGMLAModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = [
+    "EGMLACache",
+    "EGMLAForCausalLM",
+    "EGMLALatentCacheLayer",
+    "EGMLAModel",
+    "EGMLAPreTrainedModel",
+    "cache_nbytes",
+]

@@ -1,0 +1,233 @@
+"""The latent cache must give exactly what a forward without cache gives, in every mode and in `generate`."""
+
+import pytest
+import torch
+
+from egmla import EGMLACache, EGMLALatentCacheLayer, cache_nbytes
+from tests.conftest import MODES, tiny_model
+
+ALL_MODES = list(MODES)
+
+
+def incremental_logits(model, input_ids, prefill, cache):
+    """Prefill `prefill` tokens, then feed the rest one token at a time."""
+    logits = [model(input_ids[:, :prefill], cache=cache, use_cache=True).logits]
+    for step in range(prefill, input_ids.shape[1]):
+        logits.append(model(input_ids[:, step : step + 1], cache=cache, use_cache=True).logits)
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_prefill_plus_20_steps_equals_no_cache(mode, attn_implementation):
+    model = tiny_model(**MODES[mode])
+    model.set_attn_implementation(attn_implementation)
+    input_ids = torch.randint(3, 128, (2, 27), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model(input_ids, use_cache=False).logits
+        cached = incremental_logits(model, input_ids, prefill=7, cache=EGMLACache(model.config))
+    assert (reference - cached).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"q_lora_rank": 24},
+        {"rope_key_heads": 2},
+        {"rope_key_heads": 4, "gate_layers_per_table": 2},
+        {"gate_norm": "none"},
+        {"kv_latent_norm": False},
+        {"qk_nope_head_dim": 0},
+    ],
+    ids=["q_lora", "rope_key_heads=2", "rope_key_heads=4,shared-table", "gate_norm=none", "no-latent-norm", "no-nope"],
+)
+@pytest.mark.parametrize("gate_position", ["kv", "latent"])
+def test_variants_cache_equals_no_cache(overrides, gate_position):
+    model = tiny_model(gate_position=gate_position, **overrides)
+    input_ids = torch.randint(3, 128, (2, 15), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        reference = model(input_ids, use_cache=False).logits
+        cached = incremental_logits(model, input_ids, prefill=4, cache=EGMLACache(model.config))
+    assert (reference - cached).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 64},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "rope_theta": 500000.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+    ids=lambda params: params["rope_type"],
+)
+def test_rope_scaling_types(rope_parameters):
+    model = tiny_model(rope_parameters=rope_parameters)
+    assert model.model.rotary_emb.rope_type == rope_parameters["rope_type"]
+    input_ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference = model(input_ids, use_cache=False).logits
+        cached = incremental_logits(model, input_ids, prefill=5, cache=EGMLACache(model.config))
+    assert (reference - cached).abs().max().item() <= 1e-5
+
+
+def generate_both(model, **kwargs):
+    with torch.no_grad():
+        cached = model.generate(**kwargs, use_cache=True)
+        uncached = model.generate(**kwargs, use_cache=False)
+    return cached, uncached
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_generate_greedy_sampling_beam(mode):
+    model = tiny_model(**MODES[mode])
+    prompt = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(4))
+    common = {"input_ids": prompt, "max_new_tokens": 12, "min_new_tokens": 12}
+
+    cached, uncached = generate_both(model, **common, do_sample=False)
+    assert torch.equal(cached, uncached)
+
+    torch.manual_seed(7)
+    sampled_cached = model.generate(**common, do_sample=True, top_k=0, use_cache=True)
+    torch.manual_seed(7)
+    sampled_uncached = model.generate(**common, do_sample=True, top_k=0, use_cache=False)
+    assert torch.equal(sampled_cached, sampled_uncached)
+
+    cached, uncached = generate_both(model, **common, num_beams=3, num_return_sequences=2, do_sample=False)
+    assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_left_padded_batch_equals_each_prompt_alone(mode):
+    model = tiny_model(**MODES[mode])
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (length,), generator=generator) for length in (9, 4, 6)]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)  # pad id 0
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = prompt
+        attention_mask[row, width - len(prompt) :] = 1
+
+    options = {"max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False}
+    with torch.no_grad():
+        batch = model.generate(input_ids=input_ids, attention_mask=attention_mask, **options)
+        batch_uncached = model.generate(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **options)
+        assert torch.equal(batch, batch_uncached)
+        for row, prompt in enumerate(prompts):
+            alone = model.generate(input_ids=prompt[None], **options)
+            assert torch.equal(batch[row, width:], alone[0, len(prompt) :])
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_assisted_decoding_with_itself(mode):
+    model = tiny_model(**MODES[mode])
+    prompt = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(6))
+    options = {"input_ids": prompt, "max_new_tokens": 14, "min_new_tokens": 14, "do_sample": False}
+    with torch.no_grad():
+        plain = model.generate(**options)
+        assisted = model.generate(**options, assistant_model=model)
+    assert torch.equal(plain, assisted)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_cache_holds_exactly_the_latent_rope_key_and_ids(mode):
+    model = tiny_model(**MODES[mode], num_hidden_layers=3)
+    config = model.config
+    batch, prompt_length, new_tokens = 3, 7, 9
+    prompt = torch.randint(3, 128, (batch, prompt_length), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=prompt,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+        )
+    cache = out.cache
+    seq = prompt_length + new_tokens - 1  # the last sampled token never enters the cache
+    itemsize = torch.finfo(torch.float32).bits // 8
+    latent_bytes = batch * seq * config.kv_cache_values_per_token() * config.num_hidden_layers * itemsize
+    ids_bytes = batch * seq * 8 if config.caches_token_ids else 0
+    assert cache_nbytes(cache) == latent_bytes + ids_bytes
+
+    # Nothing else: every layer holds exactly [B,1,T,r] and [B,1,T,Hr*dr] (+ the ids [B,T] once, in layer 0).
+    rope_width = config.rope_key_heads * config.qk_rope_head_dim
+    for index, layer in enumerate(cache.layers):
+        assert isinstance(layer, EGMLALatentCacheLayer)
+        assert layer.keys.shape == (batch, 1, seq, config.kv_lora_rank)
+        assert layer.values.shape == (batch, 1, seq, rope_width)
+        tensors = {name for name, value in vars(layer).items() if isinstance(value, torch.Tensor)}
+        assert tensors == ({"keys", "values", "token_ids"} if index == 0 and ids_bytes else {"keys", "values"})
+    if ids_bytes:
+        assert torch.equal(cache.layers[0].token_ids, out.sequences[:, :seq])
+
+
+def test_cache_operations_keep_ids_aligned():
+    model = tiny_model(gate_position="kv")
+    cache = EGMLACache(model.config)
+    input_ids = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        model(input_ids, cache=cache, use_cache=True)
+    assert cache.get_seq_length() == 6 and cache.token_ids.shape == (3, 6)
+
+    latent = cache.layers[1].keys.clone()
+    cache.crop(-2)
+    assert cache.get_seq_length() == 4 and torch.equal(cache.token_ids, input_ids[:, :4])
+    cache.reorder_cache(torch.tensor([2, 0, 1]))
+    assert torch.equal(cache.token_ids, input_ids[[2, 0, 1], :4])
+    assert torch.equal(cache.layers[1].keys, latent[[2, 0, 1], :, :4])
+    cache.batch_repeat_interleave(2)
+    assert cache.token_ids.shape == (6, 4) and cache.layers[1].keys.shape[0] == 6
+    cache.batch_select_indices(torch.tensor([0, 5]))
+    assert torch.equal(cache.token_ids, input_ids[[2, 1], :4])
+    assert cache.layers[0].keys.shape[0] == 2
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.token_ids is None and cache.nbytes() == 0
+
+
+def test_out_of_range_token_ids_raise_before_indexing():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="vocab_size=128"):
+        model(torch.tensor([[5, 128]]))
+    with pytest.raises(ValueError, match="vocab_size"):
+        model(torch.tensor([[-1, 5]]))
+
+
+def test_gate_needs_token_ids():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="input_ids"):
+        model(inputs_embeds=torch.zeros(1, 3, 64))
+    plain = tiny_model(gate_embedding_dim=0)
+    embeds = plain.model.embed_tokens(torch.tensor([[4, 5, 6]]))
+    assert torch.allclose(plain(inputs_embeds=embeds).logits, plain(torch.tensor([[4, 5, 6]])).logits)
+
+
+def test_kv_gate_refuses_a_cache_without_token_ids():
+    from transformers import DynamicCache
+
+    model = tiny_model(gate_position="kv")
+    with pytest.raises(ValueError, match="EGMLACache"):
+        model(torch.tensor([[4, 5]]), cache=DynamicCache(), use_cache=True)
+
+
+def test_fresh_gate_is_the_identity():
+    """W^{UE} starts at zero: a fresh EG-MLA model equals the same weights with the gate off."""
+    torch.manual_seed(0)
+    from egmla import EGMLAForCausalLM
+    from tests.conftest import tiny_config
+
+    gated = EGMLAForCausalLM(tiny_config(gate_norm="none")).eval()
+    plain = EGMLAForCausalLM(tiny_config(gate_embedding_dim=0)).eval()
+    missing, unexpected = plain.load_state_dict(gated.state_dict(), strict=False)
+    assert not missing and all("gate_" in key for key in unexpected)
+    assert all(layer.self_attn.gate_embedding_proj.weight.abs().sum() == 0 for layer in gated.model.layers)
+    input_ids = torch.tensor([[4, 9, 33, 7]])
+    assert torch.allclose(gated(input_ids).logits, plain(input_ids).logits, atol=1e-6)
