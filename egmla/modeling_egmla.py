@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -314,7 +313,9 @@ class EGMLAAttention(nn.Module):
         self.gate_embedding_proj = None
         self.gate_norm = None
         if config.gate_enabled:
-            gated_width = self.kv_lora_rank if self.gate_position == "latent" else self.qk_nope_head_dim + self.v_head_dim
+            gated_width = (
+                self.kv_lora_rank if self.gate_position == "latent" else self.qk_nope_head_dim + self.v_head_dim
+            )
             gate_out = gated_width if self.gate_position == "latent" else self.num_heads * gated_width
             self.gate_embedding_proj = EGMLAGateProjection(config.gate_embedding_dim, gate_out, bias=False)
             if config.gate_norm == "rms":

@@ -1,0 +1,89 @@
+"""Save/load, Auto classes and Hub remote code (a fresh process where `egmla` cannot be imported)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from egmla import EGMLAConfig, EGMLAForCausalLM, EGMLAModel
+from tests.conftest import tiny_model
+
+
+def test_auto_classes_resolve_to_egmla():
+    config = AutoConfig.for_model("egmla", vocab_size=64, hidden_size=32, num_attention_heads=4, bos_token_id=1)
+    assert isinstance(config, EGMLAConfig)
+    assert isinstance(AutoModel.from_config(config), EGMLAModel)
+    assert isinstance(AutoModelForCausalLM.from_config(config), EGMLAForCausalLM)
+
+
+def test_round_trip_equal_logits_and_tied_weights_saved_once(tmp_path):
+    model = tiny_model(tie_word_embeddings=True, gate_position="latent")
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.save_pretrained(tmp_path)
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as weights:
+        keys = set(weights.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+    assert {"configuration_egmla.py", "modeling_egmla.py"} <= set(os.listdir(tmp_path))
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoConfig"] == "configuration_egmla.EGMLAConfig"
+    assert auto_map["AutoModelForCausalLM"] == "modeling_egmla.EGMLAForCausalLM"
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, EGMLAForCausalLM)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    # The rotary buffers are not saved: they must be rebuilt, not left as garbage from the meta device.
+    assert torch.equal(loaded.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
+    input_ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids).logits, loaded(input_ids).logits)
+        assert torch.equal(
+            model.generate(input_ids, max_new_tokens=8, do_sample=False),
+            loaded.generate(input_ids, max_new_tokens=8, do_sample=False),
+        )
+
+
+def test_base_model_checkpoint_loads_into_causal_lm(tmp_path):
+    model = tiny_model()
+    model.model.save_pretrained(tmp_path)
+    loaded = EGMLAModel.from_pretrained(tmp_path).eval()
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(model.model(input_ids).last_hidden_state, loaded(input_ids).last_hidden_state)
+
+
+def test_trust_remote_code_in_a_fresh_process_without_egmla(tmp_path):
+    model = tiny_model(gate_position="kv", rope_key_heads=2)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    input_ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model.generate(input_ids, max_new_tokens=8, num_beams=3, do_sample=False)
+    torch.save({"input_ids": input_ids, "expected": expected}, tmp_path / "io.pt")
+
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.modules["egmla"] = None  # any `import egmla` now fails, as on a machine without the package
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(model_dir)!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        data = torch.load({str(tmp_path / "io.pt")!r})
+        with torch.no_grad():
+            got = model.generate(data["input_ids"], max_new_tokens=8, num_beams=3, do_sample=False)
+        assert torch.equal(got, data["expected"]), (got, data["expected"])
+        print("remote code OK", type(model).__module__)
+        """
+    )
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    # Run from the temporary folder so that the repository's `egmla` folder is not on sys.path either.
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "remote code OK transformers_modules" in result.stdout
