@@ -346,13 +346,13 @@ class EGMLAAttention(nn.Module):
         k_rope = k_rope.repeat_interleave(self.num_heads // self.rope_key_heads, dim=1)  # [B, H, T, dr]
         return torch.cat([k_nope, k_rope], dim=-1), value
 
-    def kv_b_weight(self) -> torch.Tensor:
-        """W^{UKV} as [H, dn+dv, r], including any adapter (e.g. LoRA) wrapped around `kv_b_proj`."""
-        if type(self.kv_b_proj) is nn.Linear:
+    def kv_b_weight(self, like: torch.Tensor) -> torch.Tensor:
+        """W^{UKV} as [H, dn+dv, r]. Adapters (LoRA) and accelerate's offload hooks act only when the module is
+        called, so in their presence the weight is read by projecting the identity."""
+        if type(self.kv_b_proj) is nn.Linear and not hasattr(self.kv_b_proj, "_hf_hook"):
             weight = self.kv_b_proj.weight
         else:
-            eye = torch.eye(self.kv_lora_rank, device=self.o_proj.weight.device, dtype=self.o_proj.weight.dtype)
-            weight = self.kv_b_proj(eye).T
+            weight = self.kv_b_proj(torch.eye(self.kv_lora_rank, device=like.device, dtype=like.dtype)).T
         return weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
 
     def absorbed_attention(
@@ -370,7 +370,7 @@ class EGMLAAttention(nn.Module):
         """
         batch_size, _, query_length, _ = q_nope.shape
         key_length = latent.shape[2]
-        weight = self.kv_b_weight()
+        weight = self.kv_b_weight(like=latent)
         w_uk, w_uv = weight.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
         q_latent = torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk)  # [B, H, S, r]
         scores = torch.matmul(q_latent, latent.transpose(2, 3))  # [B, H, S, T]

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -87,3 +88,27 @@ def test_trust_remote_code_in_a_fresh_process_without_egmla(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "remote code OK transformers_modules" in result.stdout
+
+
+@pytest.mark.parametrize("gate_position", ["kv", "latent"])
+def test_device_map_with_a_layer_offloaded_to_disk(tmp_path, gate_position):
+    """accelerate's hooks move weights in only when a module is called: the absorbed decode must respect that."""
+    model = tiny_model(gate_position=gate_position)
+    model.save_pretrained(tmp_path / "model")
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.gate_embeddings": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", device_map=device_map, offload_folder=tmp_path / "offload"
+    ).eval()
+    assert offloaded.hf_device_map["model.layers.1"] == "disk"
+    input_ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(2))
+    options = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    with torch.no_grad():
+        assert torch.equal(model.generate(input_ids, **options), offloaded.generate(input_ids, **options))

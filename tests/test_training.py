@@ -102,3 +102,31 @@ def test_lora_on_kv_b_proj_is_used_by_the_absorbed_decode():
             peft_model(input_ids=input_ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(6, 12)
         ]
     assert (torch.cat(logits, dim=1) - reference).abs().max() <= 1e-5
+
+
+def test_trains_with_the_transformers_trainer(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_model(gate_position="kv").train()
+    generator = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, 128, (32,), generator=generator) for _ in range(16)]
+    dataset = [{"input_ids": row, "labels": row} for row in rows]
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=12,
+        learning_rate=5e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 12 and losses[-1] < losses[0]
+    # The gate tables are ordinary parameters: the Trainer's optimizer updated them.
+    assert not torch.equal(
+        trainer.model.model.gate_embeddings[0].weight, tiny_model(gate_position="kv").model.gate_embeddings[0].weight
+    )
