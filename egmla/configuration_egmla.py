@@ -54,7 +54,7 @@ class EGMLAConfig(PreTrainedConfig):
         num_hidden_layers: number of decoder layers.
         num_attention_heads: number of query heads (keys and values are expanded to as many heads).
         q_lora_rank: rank of the low-rank query (`q_a_proj` -> norm -> `q_b_proj`); `None` = full-rank `q_proj`.
-        kv_lora_rank: width of the cached latent `c_t`.
+        kv_lora_rank: width of the cached latent `c_t`; a list gives each layer its own width.
         qk_nope_head_dim: per-head query/key dims without rotary embedding (may be 0).
         qk_rope_head_dim: per-head query/key dims with rotary embedding; the rope key has this width.
         v_head_dim: per-head value dims.
@@ -68,6 +68,11 @@ class EGMLAConfig(PreTrainedConfig):
         gate_layers_per_table: how many consecutive layers share one gate table (1 = one table per layer).
         kv_latent_norm: RMSNorm on the latent before caching (DeepSeek's `kv_a_layernorm`).
         rope_parameters: transformers rope parameters (`rope_type` default, linear, dynamic, yarn, llama3, ...).
+        rope_frequency_dim: rotary width whose frequencies the rope dims use (None = `qk_rope_head_dim`). A model
+            retrofitted from Llama keeps the source's `head_dim` here, so its kept pairs rotate exactly as before.
+        rope_frequency_indices: for each rope key head, which `qk_rope_head_dim // 2` of the
+            `rope_frequency_dim // 2` frequencies its pairs use (None = the first ones, in order). Query heads use
+            the frequencies of their group's rope key.
         max_position_embeddings: context length the rotary embedding is built for.
         layer_types: cache layer type of every layer; always `"egmla_latent_attention"`.
     """
@@ -86,7 +91,7 @@ class EGMLAConfig(PreTrainedConfig):
     num_hidden_layers: int = 12
     num_attention_heads: int = 12
     q_lora_rank: int | None = None
-    kv_lora_rank: int = 64
+    kv_lora_rank: int | list[int] = 64
     qk_nope_head_dim: int = 64
     qk_rope_head_dim: int = 64
     v_head_dim: int = 64
@@ -106,6 +111,8 @@ class EGMLAConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 50256
     tie_word_embeddings: bool = False
     rope_parameters: RopeParameters | dict | None = None
+    rope_frequency_dim: int | None = None
+    rope_frequency_indices: list[list[int]] | None = None
     attention_dropout: float | int = 0.0
     layer_types: list[str] | None = None
 
@@ -113,7 +120,7 @@ class EGMLAConfig(PreTrainedConfig):
         if self.layer_types is None:
             self.layer_types = [EGMLA_LAYER_TYPE] * self.num_hidden_layers
         # transformers' rope utilities size the rotary embedding from `head_dim` (as DeepSeek-V3 does).
-        self.head_dim = self.qk_rope_head_dim
+        self.head_dim = self.rope_frequency_dim or self.qk_rope_head_dim
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         super().__post_init__(**kwargs)
         # Checked here too so that a bad value raises a plain `ValueError` (strict wraps its validators' errors).
@@ -140,9 +147,13 @@ class EGMLAConfig(PreTrainedConfig):
     def num_gate_tables(self) -> int:
         return self.num_hidden_layers // self.gate_layers_per_table if self.gate_enabled else 0
 
+    def layer_kv_lora_rank(self, layer_idx: int) -> int:
+        return self.kv_lora_rank[layer_idx] if isinstance(self.kv_lora_rank, list) else self.kv_lora_rank
+
     def kv_cache_values_per_token(self) -> int:
-        """Cached values per token per layer: the latent plus the rope key(s) (token ids not counted)."""
-        return self.kv_lora_rank + self.rope_key_heads * self.qk_rope_head_dim
+        """Cached values per token over all layers: latents plus rope keys (token ids not counted)."""
+        rope = self.rope_key_heads * self.qk_rope_head_dim
+        return sum(self.layer_kv_lora_rank(i) + rope for i in range(self.num_hidden_layers))
 
     def validate_architecture(self):
         """Part of `@strict` validation: every rule names its field."""
@@ -152,7 +163,6 @@ class EGMLAConfig(PreTrainedConfig):
             "intermediate_size",
             "num_hidden_layers",
             "num_attention_heads",
-            "kv_lora_rank",
             "qk_rope_head_dim",
             "v_head_dim",
             "rope_key_heads",
@@ -167,6 +177,14 @@ class EGMLAConfig(PreTrainedConfig):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"`{name}` must be >= 0, got {value}.")
+        ranks = self.kv_lora_rank if isinstance(self.kv_lora_rank, list) else [self.kv_lora_rank]
+        if any(rank <= 0 for rank in ranks):
+            raise ValueError(f"`kv_lora_rank` must be positive (or a list of positive ranks), got {self.kv_lora_rank}.")
+        if isinstance(self.kv_lora_rank, list) and len(self.kv_lora_rank) != self.num_hidden_layers:
+            raise ValueError(
+                f"`kv_lora_rank` lists {len(self.kv_lora_rank)} ranks for {self.num_hidden_layers} layers."
+            )
+        self.validate_rope_frequencies()
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
             raise ValueError(f"`q_lora_rank` must be None (full-rank query) or positive, got {self.q_lora_rank}.")
         if self.qk_rope_head_dim % 2:
@@ -193,6 +211,28 @@ class EGMLAConfig(PreTrainedConfig):
             raise ValueError(f"`attention_dropout` must be in [0, 1), got {self.attention_dropout}.")
         if self.initializer_range < 0:
             raise ValueError(f"`initializer_range` must be >= 0, got {self.initializer_range}.")
+
+    def validate_rope_frequencies(self):
+        frequency_dim = self.rope_frequency_dim or self.qk_rope_head_dim
+        if frequency_dim % 2 or frequency_dim < self.qk_rope_head_dim:
+            raise ValueError(
+                f"`rope_frequency_dim` must be even and >= qk_rope_head_dim ({self.qk_rope_head_dim}), "
+                f"got {frequency_dim}."
+            )
+        if self.rope_frequency_indices is None:
+            return
+        indices = self.rope_frequency_indices
+        pairs = self.qk_rope_head_dim // 2
+        if len(indices) != self.rope_key_heads or any(len(head) != pairs for head in indices):
+            raise ValueError(
+                f"`rope_frequency_indices` must hold {self.rope_key_heads} lists (one per rope key head) of "
+                f"{pairs} frequency indices each, got {indices}."
+            )
+        if any(not 0 <= index < frequency_dim // 2 for head in indices for index in head):
+            raise ValueError(
+                f"`rope_frequency_indices` must lie in [0, rope_frequency_dim // 2 = {frequency_dim // 2}), "
+                f"got {indices}."
+            )
 
     def validate_layer_type(self):
         """Our cache layer type is not one of transformers' built-in ones, so the base check cannot be used."""

@@ -50,7 +50,8 @@ class EGMLARMSNorm(nn.Module):
 
 
 class EGMLARotaryEmbedding(nn.Module):
-    """Rotary embedding over `qk_rope_head_dim` dims (the config sets `head_dim` to it for the rope utilities)."""
+    """Rotary cos/sin [B, S, F] over F = `rope_frequency_dim` dims (the config's `head_dim`, which the rope
+    utilities read); the model then picks each rope key head's dims out of them."""
 
     def __init__(self, config: EGMLAConfig):
         super().__init__()
@@ -68,7 +69,7 @@ class EGMLARotaryEmbedding(nn.Module):
     @staticmethod
     def compute_default_rope_parameters(config: EGMLAConfig, **kwargs) -> tuple[torch.Tensor, float]:
         base = config.rope_parameters["rope_theta"]
-        dim = config.qk_rope_head_dim
+        dim = config.head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
 
@@ -88,9 +89,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates `x` [B, heads, S, dr] by `cos`/`sin` [B, S, dr] (half-split layout, as Llama and DeepSeek-V3)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (x * cos) + (rotate_half(x) * sin)
+    """Rotates `x` [B, Hx, S, dr] by `cos`/`sin` [B, Hc, S, dr], head group h of x using row h // (Hx / Hc)
+    (half-split layout, as Llama and DeepSeek-V3)."""
+    batch_size, heads, seq_length, dim = x.shape
+    x = x.view(batch_size, cos.shape[1], -1, seq_length, dim)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return ((x * cos) + (rotate_half(x) * sin)).view(batch_size, heads, seq_length, dim)
 
 
 def attention_scaling(config: EGMLAConfig) -> float:
@@ -279,7 +283,7 @@ class EGMLAAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.q_lora_rank = config.q_lora_rank
-        self.kv_lora_rank = config.kv_lora_rank
+        self.kv_lora_rank = config.layer_kv_lora_rank(layer_idx)
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.qk_head_dim = config.qk_head_dim
@@ -299,13 +303,13 @@ class EGMLAAttention(nn.Module):
             self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
 
         self.kv_a_proj_with_mqa = nn.Linear(
-            config.hidden_size, config.kv_lora_rank + config.rope_key_heads * config.qk_rope_head_dim, bias=False
+            config.hidden_size, self.kv_lora_rank + config.rope_key_heads * config.qk_rope_head_dim, bias=False
         )
         self.kv_a_layernorm = (
-            EGMLARMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_latent_norm else None
+            EGMLARMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_latent_norm else None
         )
         self.kv_b_proj = nn.Linear(
-            config.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+            self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, config.hidden_size, bias=False)
 
@@ -517,6 +521,18 @@ class EGMLAModel(EGMLAPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    def rope_key_frequencies(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, S, F] -> [B, 1, S, dr] (every head rotates alike) or [B, Hr, S, dr] (each rope key head,
+        and its group of query heads, with its own frequencies)."""
+        indices = self.config.rope_frequency_indices
+        if indices is None and cos.shape[-1] == self.config.qk_rope_head_dim:
+            return cos.unsqueeze(1), sin.unsqueeze(1)
+        indices = indices or [list(range(self.config.qk_rope_head_dim // 2))]
+        half = cos.shape[-1] // 2
+        # Half-split layout: pair j of a head sits at dims j and j + dr/2, frequency f at dims f and f + F/2.
+        dims = torch.tensor([head + [index + half for index in head] for head in indices], device=cos.device)
+        return cos[..., dims].permute(0, 2, 1, 3), sin[..., dims].permute(0, 2, 1, 3)
+
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
         """Out-of-range ids would index past the embedding and gate tables: refuse them with a clear error."""
         if input_ids.numel() == 0:
@@ -585,7 +601,7 @@ class EGMLAModel(EGMLAPreTrainedModel):
             gate_embeddings = [table(token_ids) for table in self.gate_embeddings]  # each [B, T or S, de]
 
         hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        position_embeddings = self.rope_key_frequencies(*self.rotary_emb(hidden_states, position_ids=position_ids))
         for layer_idx, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             gate_embedding = (
                 gate_embeddings[layer_idx // self.config.gate_layers_per_table] if gate_embeddings else None

@@ -38,8 +38,19 @@ def test_prefill_plus_20_steps_equals_no_cache(mode, attn_implementation):
         {"gate_norm": "none"},
         {"kv_latent_norm": False},
         {"qk_nope_head_dim": 0},
+        {"kv_lora_rank": [16, 6]},
+        {"rope_key_heads": 2, "rope_frequency_dim": 16, "rope_frequency_indices": [[0, 3, 5, 7], [1, 2, 4, 6]]},
     ],
-    ids=["q_lora", "rope_key_heads=2", "rope_key_heads=4,shared-table", "gate_norm=none", "no-latent-norm", "no-nope"],
+    ids=[
+        "q_lora",
+        "rope_key_heads=2",
+        "rope_key_heads=4,shared-table",
+        "gate_norm=none",
+        "no-latent-norm",
+        "no-nope",
+        "per-layer-ranks",
+        "per-head-rope-frequencies",
+    ],
 )
 @pytest.mark.parametrize("gate_position", ["kv", "latent"])
 def test_variants_cache_equals_no_cache(overrides, gate_position):
@@ -139,7 +150,7 @@ def test_assisted_decoding_with_itself(mode):
 
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_cache_holds_exactly_the_latent_rope_key_and_ids(mode):
-    model = tiny_model(**MODES[mode], num_hidden_layers=3)
+    model = tiny_model(**MODES[mode], num_hidden_layers=3, kv_lora_rank=[16, 8, 12])
     config = model.config
     batch, prompt_length, new_tokens = 3, 7, 9
     prompt = torch.randint(3, 128, (batch, prompt_length), generator=torch.Generator().manual_seed(8))
@@ -154,7 +165,7 @@ def test_cache_holds_exactly_the_latent_rope_key_and_ids(mode):
     cache = out.cache
     seq = prompt_length + new_tokens - 1  # the last sampled token never enters the cache
     itemsize = torch.finfo(torch.float32).bits // 8
-    latent_bytes = batch * seq * config.kv_cache_values_per_token() * config.num_hidden_layers * itemsize
+    latent_bytes = batch * seq * config.kv_cache_values_per_token() * itemsize
     ids_bytes = batch * seq * 8 if config.caches_token_ids else 0
     assert cache_nbytes(cache) == latent_bytes + ids_bytes
 
@@ -162,7 +173,7 @@ def test_cache_holds_exactly_the_latent_rope_key_and_ids(mode):
     rope_width = config.rope_key_heads * config.qk_rope_head_dim
     for index, layer in enumerate(cache.layers):
         assert isinstance(layer, EGMLALatentCacheLayer)
-        assert layer.keys.shape == (batch, 1, seq, config.kv_lora_rank)
+        assert layer.keys.shape == (batch, 1, seq, config.layer_kv_lora_rank(index))
         assert layer.values.shape == (batch, 1, seq, rope_width)
         tensors = {name for name, value in vars(layer).items() if isinstance(value, torch.Tensor)}
         assert tensors == ({"keys", "values", "token_ids"} if index == 0 and ids_bytes else {"keys", "values"})
@@ -231,3 +242,18 @@ def test_fresh_gate_is_the_identity():
     assert all(layer.self_attn.gate_embedding_proj.weight.abs().sum() == 0 for layer in gated.model.layers)
     input_ids = torch.tensor([[4, 9, 33, 7]])
     assert torch.allclose(gated(input_ids).logits, plain(input_ids).logits, atol=1e-6)
+
+
+def test_rope_frequency_indices_select_the_rotary_frequencies():
+    """Explicit indices of the first frequencies equal the default; other indices rotate differently."""
+    input_ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(10))
+    default = tiny_model(rope_key_heads=2)
+    explicit = tiny_model(rope_key_heads=2, rope_frequency_indices=[[0, 1, 2, 3], [0, 1, 2, 3]])
+    shuffled = tiny_model(rope_key_heads=2, rope_frequency_indices=[[0, 1, 2, 3], [3, 2, 1, 0]])
+    with torch.no_grad():
+        assert torch.equal(default(input_ids).logits, explicit(input_ids).logits)
+        assert not torch.allclose(default(input_ids).logits, shuffled(input_ids).logits)
+        # A wider frequency table whose first half of the pairs is picked: cos/sin come from rope_frequency_dim.
+        wide = tiny_model(rope_frequency_dim=16)
+        assert wide.model.rotary_emb.inv_freq.shape == (8,)
+        assert not torch.allclose(default(input_ids).logits, wide(input_ids).logits)

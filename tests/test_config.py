@@ -23,6 +23,11 @@ from tests.conftest import tiny_config
         ({"attention_dropout": 1.5}, "attention_dropout"),
         ({"layer_types": ["full_attention", "full_attention"]}, "layer_types"),
         ({"layer_types": [EGMLA_LAYER_TYPE]}, "layer_types"),
+        ({"kv_lora_rank": [16]}, "kv_lora_rank"),
+        ({"kv_lora_rank": [16, 0]}, "kv_lora_rank"),
+        ({"rope_frequency_dim": 6}, "rope_frequency_dim"),
+        ({"rope_frequency_indices": [[0, 1, 2]]}, "rope_frequency_indices"),
+        ({"rope_frequency_indices": [[0, 1, 2, 4]]}, "rope_frequency_indices"),
     ],
 )
 def test_bad_values_raise_value_error_naming_the_field(overrides, field):
@@ -42,8 +47,9 @@ def test_paper_presets_match_the_design_note():
     assert (kv64.kv_lora_rank, kv64.gate_embedding_dim) == (64, 256)
     assert (kv16.kv_lora_rank, kv16.gate_embedding_dim) == (16, 256)
     # Cached values per token over all layers: 3,840 (MLA-Base) and 1,536 (EG-MLA-kv64), as in the paper.
-    assert mla.kv_cache_values_per_token() * 12 == 3840
-    assert kv64.kv_cache_values_per_token() * 12 == 1536
+    assert mla.kv_cache_values_per_token() == 3840
+    assert kv64.kv_cache_values_per_token() == 1536
+    assert kv16.kv_cache_values_per_token() == 960
     assert EGMLAConfig.from_preset("paper-egmla-kv64", num_hidden_layers=2).num_hidden_layers == 2
     with pytest.raises(ValueError, match="Unknown preset"):
         EGMLAConfig.from_preset("paper-gpt")
