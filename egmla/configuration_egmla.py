@@ -70,9 +70,9 @@ class EGMLAConfig(PreTrainedConfig):
         rope_parameters: transformers rope parameters (`rope_type` default, linear, dynamic, yarn, llama3, ...).
         rope_frequency_dim: rotary width whose frequencies the rope dims use (None = `qk_rope_head_dim`). A model
             retrofitted from Llama keeps the source's `head_dim` here, so its kept pairs rotate exactly as before.
-        rope_frequency_indices: for each rope key head, which `qk_rope_head_dim // 2` of the
-            `rope_frequency_dim // 2` frequencies its pairs use (None = the first ones, in order). Query heads use
-            the frequencies of their group's rope key.
+        rope_frequency_indices: per layer, per rope key head, which `qk_rope_head_dim // 2` of the
+            `rope_frequency_dim // 2` frequencies its pairs use ([layer][head][pair]; None = the first ones, in
+            order). Query heads use the frequencies of their group's rope key.
         max_position_embeddings: context length the rotary embedding is built for.
         layer_types: cache layer type of every layer; always `"egmla_latent_attention"`.
     """
@@ -112,7 +112,7 @@ class EGMLAConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
     rope_parameters: RopeParameters | dict | None = None
     rope_frequency_dim: int | None = None
-    rope_frequency_indices: list[list[int]] | None = None
+    rope_frequency_indices: list[list[list[int]]] | None = None
     attention_dropout: float | int = 0.0
     layer_types: list[str] | None = None
 
@@ -223,12 +223,14 @@ class EGMLAConfig(PreTrainedConfig):
             return
         indices = self.rope_frequency_indices
         pairs = self.qk_rope_head_dim // 2
-        if len(indices) != self.rope_key_heads or any(len(head) != pairs for head in indices):
+        if len(indices) != self.num_hidden_layers or any(
+            len(layer) != self.rope_key_heads or any(len(head) != pairs for head in layer) for layer in indices
+        ):
             raise ValueError(
-                f"`rope_frequency_indices` must hold {self.rope_key_heads} lists (one per rope key head) of "
-                f"{pairs} frequency indices each, got {indices}."
+                f"`rope_frequency_indices` must hold, for each of the {self.num_hidden_layers} layers, "
+                f"{self.rope_key_heads} lists (one per rope key head) of {pairs} frequency indices, got {indices}."
             )
-        if any(not 0 <= index < frequency_dim // 2 for head in indices for index in head):
+        if any(not 0 <= index < frequency_dim // 2 for layer in indices for head in layer for index in head):
             raise ValueError(
                 f"`rope_frequency_indices` must lie in [0, rope_frequency_dim // 2 = {frequency_dim // 2}), "
                 f"got {indices}."

@@ -289,6 +289,9 @@ class EGMLAAttention(nn.Module):
         self.qk_head_dim = config.qk_head_dim
         self.v_head_dim = config.v_head_dim
         self.rope_key_heads = config.rope_key_heads
+        # Which of the F rotary dims each rope key head (and its query group) uses; None = all F, one for all.
+        self.rope_dims = self.rotary_dims(config, layer_idx)
+        self.rope_dims_tensor: torch.Tensor | None = None
         self.gate_position = config.gate_position
         self.attention_dropout = config.attention_dropout
         self.scaling = attention_scaling(config)
@@ -324,6 +327,25 @@ class EGMLAAttention(nn.Module):
             self.gate_embedding_proj = EGMLAGateProjection(config.gate_embedding_dim, gate_out, bias=False)
             if config.gate_norm == "rms":
                 self.gate_norm = EGMLARMSNorm(gated_width, eps=config.rms_norm_eps)
+
+    @staticmethod
+    def rotary_dims(config: EGMLAConfig, layer_idx: int) -> list[list[int]] | None:
+        indices = config.rope_frequency_indices
+        if indices is None and config.head_dim == config.qk_rope_head_dim:
+            return None
+        heads = indices[layer_idx] if indices is not None else [list(range(config.qk_rope_head_dim // 2))]
+        half = config.head_dim // 2
+        # Half-split layout: pair j of a head sits at dims j and j + dr/2, frequency f at dims f and f + F/2.
+        return [head + [index + half for index in head] for head in heads]
+
+    def select_rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, S, F] -> [B, 1, S, dr] (every head alike) or [B, Hr, S, dr] (per rope key head)."""
+        if self.rope_dims is None:
+            return cos.unsqueeze(1), sin.unsqueeze(1)
+        if self.rope_dims_tensor is None or self.rope_dims_tensor.device != cos.device:
+            self.rope_dims_tensor = torch.tensor(self.rope_dims, device=cos.device)  # built once per device
+        dims = self.rope_dims_tensor
+        return cos[..., dims].permute(0, 2, 1, 3), sin[..., dims].permute(0, 2, 1, 3)
 
     def project_query(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank is None:
@@ -416,7 +438,7 @@ class EGMLAAttention(nn.Module):
             if self.gate_norm is not None:
                 latent = self.gate_norm(latent)
 
-        cos, sin = position_embeddings
+        cos, sin = self.select_rotary(*position_embeddings)
         q_rope = apply_rotary(q_rope, cos, sin)
         rope_key = rope_key.view(batch_size, seq_length, self.rope_key_heads, self.qk_rope_head_dim).transpose(1, 2)
         rope_key = apply_rotary(rope_key, cos, sin).transpose(1, 2).reshape(batch_size, 1, seq_length, -1)
@@ -521,18 +543,6 @@ class EGMLAModel(EGMLAPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def rope_key_frequencies(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [B, S, F] -> [B, 1, S, dr] (every head rotates alike) or [B, Hr, S, dr] (each rope key head,
-        and its group of query heads, with its own frequencies)."""
-        indices = self.config.rope_frequency_indices
-        if indices is None and cos.shape[-1] == self.config.qk_rope_head_dim:
-            return cos.unsqueeze(1), sin.unsqueeze(1)
-        indices = indices or [list(range(self.config.qk_rope_head_dim // 2))]
-        half = cos.shape[-1] // 2
-        # Half-split layout: pair j of a head sits at dims j and j + dr/2, frequency f at dims f and f + F/2.
-        dims = torch.tensor([head + [index + half for index in head] for head in indices], device=cos.device)
-        return cos[..., dims].permute(0, 2, 1, 3), sin[..., dims].permute(0, 2, 1, 3)
-
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
         """Out-of-range ids would index past the embedding and gate tables: refuse them with a clear error."""
         if input_ids.numel() == 0:
@@ -601,7 +611,7 @@ class EGMLAModel(EGMLAPreTrainedModel):
             gate_embeddings = [table(token_ids) for table in self.gate_embeddings]  # each [B, T or S, de]
 
         hidden_states = inputs_embeds
-        position_embeddings = self.rope_key_frequencies(*self.rotary_emb(hidden_states, position_ids=position_ids))
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)  # cos, sin [B, S, F]
         for layer_idx, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             gate_embedding = (
                 gate_embeddings[layer_idx // self.config.gate_layers_per_table] if gate_embeddings else None

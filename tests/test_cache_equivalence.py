@@ -39,7 +39,11 @@ def test_prefill_plus_20_steps_equals_no_cache(mode, attn_implementation):
         {"kv_latent_norm": False},
         {"qk_nope_head_dim": 0},
         {"kv_lora_rank": [16, 6]},
-        {"rope_key_heads": 2, "rope_frequency_dim": 16, "rope_frequency_indices": [[0, 3, 5, 7], [1, 2, 4, 6]]},
+        {
+            "rope_key_heads": 2,
+            "rope_frequency_dim": 16,
+            "rope_frequency_indices": [[[0, 3, 5, 7], [1, 2, 4, 6]], [[4, 5, 6, 7], [0, 1, 2, 3]]],
+        },
     ],
     ids=[
         "q_lora",
@@ -248,8 +252,10 @@ def test_rope_frequency_indices_select_the_rotary_frequencies():
     """Explicit indices of the first frequencies equal the default; other indices rotate differently."""
     input_ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(10))
     default = tiny_model(rope_key_heads=2)
-    explicit = tiny_model(rope_key_heads=2, rope_frequency_indices=[[0, 1, 2, 3], [0, 1, 2, 3]])
-    shuffled = tiny_model(rope_key_heads=2, rope_frequency_indices=[[0, 1, 2, 3], [3, 2, 1, 0]])
+    explicit = tiny_model(rope_key_heads=2, rope_frequency_indices=[[[0, 1, 2, 3], [0, 1, 2, 3]]] * 2)
+    shuffled = tiny_model(
+        rope_key_heads=2, rope_frequency_indices=[[[0, 1, 2, 3], [0, 1, 2, 3]], [[0, 1, 2, 3], [3, 2, 1, 0]]]
+    )
     with torch.no_grad():
         assert torch.equal(default(input_ids).logits, explicit(input_ids).logits)
         assert not torch.allclose(default(input_ids).logits, shuffled(input_ids).logits)

@@ -26,8 +26,9 @@ from tests.conftest import tiny_config
         ({"kv_lora_rank": [16]}, "kv_lora_rank"),
         ({"kv_lora_rank": [16, 0]}, "kv_lora_rank"),
         ({"rope_frequency_dim": 6}, "rope_frequency_dim"),
-        ({"rope_frequency_indices": [[0, 1, 2]]}, "rope_frequency_indices"),
-        ({"rope_frequency_indices": [[0, 1, 2, 4]]}, "rope_frequency_indices"),
+        ({"rope_frequency_indices": [[[0, 1, 2]], [[0, 1, 2]]]}, "rope_frequency_indices"),
+        ({"rope_frequency_indices": [[[0, 1, 2, 3]]]}, "rope_frequency_indices"),
+        ({"rope_frequency_indices": [[[0, 1, 2, 4]], [[0, 1, 2, 3]]]}, "rope_frequency_indices"),
     ],
 )
 def test_bad_values_raise_value_error_naming_the_field(overrides, field):
