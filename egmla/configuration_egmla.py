@@ -10,7 +10,7 @@ This file is also shipped as Hub remote code: it imports only transformers, torc
 from huggingface_hub.dataclasses import strict
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.modeling_rope_utils import RopeParameters
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 # The cache layer type registered by `modeling_egmla.EGMLALatentCacheLayer`.
 EGMLA_LAYER_TYPE = "egmla_latent_attention"
@@ -177,6 +177,8 @@ class EGMLAConfig(PreTrainedConfig):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"`{name}` must be >= 0, got {value}.")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"`qk_rope_head_dim` must be even (rotary pairs), got {self.qk_rope_head_dim}.")
         ranks = self.kv_lora_rank if isinstance(self.kv_lora_rank, list) else [self.kv_lora_rank]
         if any(rank <= 0 for rank in ranks):
             raise ValueError(f"`kv_lora_rank` must be positive (or a list of positive ranks), got {self.kv_lora_rank}.")
@@ -187,8 +189,6 @@ class EGMLAConfig(PreTrainedConfig):
         self.validate_rope_frequencies()
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
             raise ValueError(f"`q_lora_rank` must be None (full-rank query) or positive, got {self.q_lora_rank}.")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(f"`qk_rope_head_dim` must be even (rotary pairs), got {self.qk_rope_head_dim}.")
         if self.num_attention_heads % self.rope_key_heads:
             raise ValueError(
                 f"`num_attention_heads` ({self.num_attention_heads}) must be divisible by `rope_key_heads` "
@@ -211,6 +211,21 @@ class EGMLAConfig(PreTrainedConfig):
             raise ValueError(f"`attention_dropout` must be in [0, 1), got {self.attention_dropout}.")
         if self.initializer_range < 0:
             raise ValueError(f"`initializer_range` must be >= 0, got {self.initializer_range}.")
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(
+                f"`rope_parameters` has rope_type {rope_type!r}, not one of transformers' rope types "
+                f"{['default', *ROPE_INIT_FUNCTIONS]}."
+            )
+        if rope_type != "default" and "factor" not in self.rope_parameters and rope_type != "longrope":
+            raise ValueError(f"`rope_parameters` of type {rope_type!r} needs a `factor`.")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            for token_id in value if isinstance(value, list) else [value]:
+                if token_id is not None and not 0 <= token_id < self.vocab_size:
+                    raise ValueError(
+                        f"`{name}` must be None or lie in [0, vocab_size={self.vocab_size}), got {token_id}."
+                    )
 
     def validate_rope_frequencies(self):
         frequency_dim = self.rope_frequency_dim or self.qk_rope_head_dim

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticLayer
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -183,20 +183,23 @@ class EGMLALatentCacheLayer(DynamicLayer):
         if self.token_ids is not None:
             self.token_ids = self.token_ids[indices, ...]
 
-    def offload(self) -> None:
-        super().offload()
-        if self.token_ids is not None:
-            self.token_ids = self.token_ids.to("cpu", non_blocking=True)
-
-    def prefetch(self) -> None:
-        super().prefetch()
-        if self.token_ids is not None and self.token_ids.device != self.device:
-            self.token_ids = self.token_ids.to(self.device, non_blocking=True)
-
     def nbytes(self) -> int:
         """Bytes of every tensor this layer holds."""
         tensors = (self.keys, self.values, self.token_ids)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class EGMLAStaticCacheLayer(StaticLayer):
+    """Registered under our layer type so that `cache_implementation="static"` fails with a clear message
+    instead of a `KeyError`: there is no preallocated latent cache yet."""
+
+    _layer_type = EGMLA_LAYER_TYPE
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(
+            "EG-MLA has no static (preallocated) latent cache yet: use the default dynamic cache "
+            "(no cache_implementation) or pass `cache=EGMLACache(model.config)`."
+        )
 
 
 class EGMLACache(DynamicCache):
@@ -217,14 +220,18 @@ class EGMLACache(DynamicCache):
         return cache_nbytes(self)
 
 
+def is_latent_cache_layer(layer) -> bool:
+    """By layer type, not class: each remote-code copy of this file defines its own class, and the type
+    registry keeps the last one imported."""
+    return getattr(layer, "_layer_type", None) == EGMLA_LAYER_TYPE
+
+
 def cache_nbytes(cache: Cache) -> int:
     """Bytes of every tensor a cache holds (latents, rope keys, token ids; keys/values of any other layer)."""
     total = 0
     for layer in cache.layers:
-        if isinstance(layer, EGMLALatentCacheLayer):
-            total += layer.nbytes()
-        else:
-            total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
+        tensors = (layer.keys, layer.values, getattr(layer, "token_ids", None))
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total
 
 
@@ -558,7 +565,7 @@ class EGMLAModel(EGMLAPreTrainedModel):
         if cache is None or not self.config.caches_token_ids:
             return input_ids
         first_layer = cache.layers[0] if len(cache.layers) else None
-        if not isinstance(first_layer, EGMLALatentCacheLayer):
+        if not is_latent_cache_layer(first_layer):
             raise ValueError(
                 "EG-MLA with gate_position='kv' needs a cache that keeps token ids: pass "
                 f"`EGMLACache(model.config)` or `DynamicCache(config=model.config)`, not {type(cache).__name__} "
@@ -589,6 +596,9 @@ class EGMLAModel(EGMLAPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
 
+        if self.layers[0].gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # The checkpointed layers drop the cache: drop it here too, before the gate's token ids are appended.
+            cache, use_cache = None, False
         if use_cache and cache is None:
             cache = EGMLACache(self.config)
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from egmla import EGMLACache, EGMLALatentCacheLayer, cache_nbytes
+from egmla import EGMLACache, cache_nbytes
+from egmla.configuration_egmla import EGMLA_LAYER_TYPE
 from tests.conftest import MODES, tiny_model
 
 ALL_MODES = list(MODES)
@@ -176,7 +177,7 @@ def test_cache_holds_exactly_the_latent_rope_key_and_ids(mode):
     # Nothing else: every layer holds exactly [B,1,T,r] and [B,1,T,Hr*dr] (+ the ids [B,T] once, in layer 0).
     rope_width = config.rope_key_heads * config.qk_rope_head_dim
     for index, layer in enumerate(cache.layers):
-        assert isinstance(layer, EGMLALatentCacheLayer)
+        assert layer._layer_type == EGMLA_LAYER_TYPE and type(layer).__name__ == "EGMLALatentCacheLayer"
         assert layer.keys.shape == (batch, 1, seq, config.layer_kv_lora_rank(index))
         assert layer.values.shape == (batch, 1, seq, rope_width)
         tensors = {name for name, value in vars(layer).items() if isinstance(value, torch.Tensor)}
@@ -263,3 +264,63 @@ def test_rope_frequency_indices_select_the_rotary_frequencies():
         wide = tiny_model(rope_frequency_dim=16)
         assert wide.model.rotary_emb.inv_freq.shape == (8,)
         assert not torch.allclose(default(input_ids).logits, wide(input_ids).logits)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_assisted_decoding_with_a_different_assistant(mode):
+    """A weaker assistant gets tokens rejected, so the main model's cache is cropped mid-generation."""
+    model = tiny_model(**MODES[mode])
+    assistant = tiny_model(seed=1, **MODES[mode], num_hidden_layers=1)
+    crops = []
+    original_crop = EGMLACache.crop
+
+    prompt = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(11))
+    options = {"input_ids": prompt, "max_new_tokens": 14, "min_new_tokens": 14, "do_sample": False}
+    with torch.no_grad():
+        plain = model.generate(**options)
+        cache = EGMLACache(model.config)
+        cache.crop = lambda tokens: crops.append(tokens) or original_crop(cache, tokens)
+        assisted = model.generate(**options, assistant_model=assistant, cache=cache)
+    assert torch.equal(plain, assisted)
+    assert any(tokens < 0 for tokens in crops)  # some candidates were rejected and cropped away
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_logits_after_crop_equal_no_cache(mode):
+    model = tiny_model(**MODES[mode])
+    input_ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        reference = model(input_ids).logits
+        cache = EGMLACache(model.config)
+        model(input_ids[:, :10], cache=cache)
+        cache.crop(-3)  # back to 7 tokens, then continue with chunks of 5 and 4
+        first = model(input_ids[:, 7:12], cache=cache).logits
+        second = model(input_ids[:, 12:16], cache=cache).logits
+    assert (torch.cat([first, second], dim=1) - reference[:, 7:]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"rope_key_heads": 2, "rope_frequency_dim": 16, "rope_frequency_indices": [[[0, 3, 5, 7], [1, 2, 4, 6]]] * 2},
+        {"rope_frequency_dim": 16},
+        {},
+    ],
+    ids=["per-head-indices", "wider-frequency-table", "default"],
+)
+def test_attention_depends_only_on_relative_positions(overrides):
+    """Shifting every position leaves the logits unchanged only if each query head rotates with exactly the
+    frequencies of the rope key it attends to."""
+    model = tiny_model(**overrides)
+    input_ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(13))
+    positions = torch.arange(12)[None]
+    with torch.no_grad():
+        reference = model(input_ids, position_ids=positions).logits
+        shifted = model(input_ids, position_ids=positions + 37).logits
+    assert (reference - shifted).abs().max() <= 1e-5
+
+
+def test_static_cache_is_refused_clearly():
+    model = tiny_model()
+    with pytest.raises(NotImplementedError, match="no static"):
+        model.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=2, cache_implementation="static")

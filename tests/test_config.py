@@ -29,10 +29,15 @@ from tests.conftest import tiny_config
         ({"rope_frequency_indices": [[[0, 1, 2]], [[0, 1, 2]]]}, "rope_frequency_indices"),
         ({"rope_frequency_indices": [[[0, 1, 2, 3]]]}, "rope_frequency_indices"),
         ({"rope_frequency_indices": [[[0, 1, 2, 4]], [[0, 1, 2, 3]]]}, "rope_frequency_indices"),
+        ({"pad_token_id": 500}, "pad_token_id"),
+        ({"eos_token_id": [2, 300]}, "eos_token_id"),
+        ({"bos_token_id": -1}, "bos_token_id"),
+        ({"rope_parameters": {"rope_type": "nosuch", "rope_theta": 10000.0}}, "rope_parameters"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0}}, "rope_parameters"),
     ],
 )
 def test_bad_values_raise_value_error_naming_the_field(overrides, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
         tiny_config(**overrides)
 
 

@@ -16,7 +16,9 @@ from tests.conftest import tiny_model
 
 
 def test_auto_classes_resolve_to_egmla():
-    config = AutoConfig.for_model("egmla", vocab_size=64, hidden_size=32, num_attention_heads=4, bos_token_id=1)
+    config = AutoConfig.for_model(
+        "egmla", vocab_size=64, hidden_size=32, num_attention_heads=4, bos_token_id=1, eos_token_id=2
+    )
     assert isinstance(config, EGMLAConfig)
     assert isinstance(AutoModel.from_config(config), EGMLAModel)
     assert isinstance(AutoModelForCausalLM.from_config(config), EGMLAForCausalLM)
@@ -62,6 +64,9 @@ def test_trust_remote_code_in_a_fresh_process_without_egmla(tmp_path):
     model = tiny_model(gate_position="kv", rope_key_heads=2)
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
+    # A second folder loaded in the same process (an assistant, say) registers its own copy of the classes.
+    other_dir = tmp_path / "other"
+    tiny_model(seed=1, gate_position="kv").save_pretrained(other_dir)
     input_ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model.generate(input_ids, max_new_tokens=8, num_beams=3, do_sample=False)
@@ -74,9 +79,11 @@ def test_trust_remote_code_in_a_fresh_process_without_egmla(tmp_path):
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(model_dir)!r}, trust_remote_code=True).eval()
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        other = AutoModelForCausalLM.from_pretrained({str(other_dir)!r}, trust_remote_code=True).eval()
         data = torch.load({str(tmp_path / "io.pt")!r})
         with torch.no_grad():
             got = model.generate(data["input_ids"], max_new_tokens=8, num_beams=3, do_sample=False)
+            other.generate(data["input_ids"], max_new_tokens=4, do_sample=False)
         assert torch.equal(got, data["expected"]), (got, data["expected"])
         print("remote code OK", type(model).__module__)
         """

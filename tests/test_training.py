@@ -130,3 +130,17 @@ def test_trains_with_the_transformers_trainer(tmp_path):
     assert not torch.equal(
         trainer.model.model.gate_embeddings[0].weight, tiny_model(gate_position="kv").model.gate_embeddings[0].weight
     )
+
+
+def test_checkpointed_training_ignores_a_filled_cache():
+    """Checkpointed layers drop the cache; the gate's token ids must not be appended to it either."""
+    model = tiny_model(gate_position="kv").train()
+    model.activation_checkpointing_enable()
+    input_ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(4))
+    cache = EGMLACache(model.config)
+    with torch.no_grad():
+        model.eval()(input_ids[:, :4], cache=cache)
+    model.train()
+    out = model(input_ids, labels=input_ids, cache=cache)
+    out.loss.backward()
+    assert cache.get_seq_length() == 4 and cache.token_ids.shape == (2, 4)  # left as it was
