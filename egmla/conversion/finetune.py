@@ -1,0 +1,197 @@
+"""Recovery fine-tuning of a converted model: distillation from the source (KL on logits) plus optional
+cross-entropy, on all parameters or LoRA adapters (PEFT) with the gate tables trained in full.
+
+Built on accelerate: one process here, `accelerate launch` for several. Checkpoints hold the accelerate state
+(model, optimizer, scheduler, random generators) and the step; `resume=True` continues from the last one, and
+the batch of every step is a function of (seed, step), so a resumed run sees the same data.
+"""
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from peft import LoraConfig, PeftModel, get_peft_model
+from tqdm.auto import tqdm
+
+from .. import LORA_TARGET_MODULES, gate_table_names
+from ..modeling_egmla import EGMLAForCausalLM
+from ..text import mean_loss
+
+STATE_FOLDER = "accelerate_state"
+PROGRESS_FILE = "progress.json"
+
+
+@dataclass
+class FinetuneSettings:
+    steps: int = 200
+    batch_size: int = 8
+    learning_rate: float = 1e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    temperature: float = 1.0
+    distill_weight: float = 1.0
+    ce_weight: float = 0.0
+    lora: bool = False
+    lora_rank: int = 16
+    train_gate_tables: bool = True
+    eval_every: int = 50
+    save_every: int = 50
+    checkpoint_dir: Path | None = None
+    resume: bool = False
+    seed: int = 0
+    max_minutes: float | None = None  # stop early (and say so) once this much wall time is spent
+
+
+@dataclass
+class FinetuneResult:
+    model: EGMLAForCausalLM
+    steps_done: int
+    seconds: float
+    history: list[dict] = field(default_factory=list)  # {"step", "loss"} and {"step", "held_out_loss"}
+    stopped_early: bool = False
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(teacher || student) per token at `temperature`, times T^2 (Hinton et al.) so gradients keep their scale."""
+    student = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    return F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean() * temperature**2
+
+
+def batch_indices(step: int, blocks: int, batch_size: int, seed: int) -> torch.Tensor:
+    """The rows of step `step`: a function of (seed, step) only, so a resumed run sees the same batches."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randint(0, blocks, (batch_size,), generator=generator)
+
+
+def with_lora(model: EGMLAForCausalLM, settings: FinetuneSettings) -> PeftModel:
+    config = LoraConfig(
+        r=settings.lora_rank,
+        lora_alpha=2 * settings.lora_rank,
+        target_modules=[name for name in LORA_TARGET_MODULES if name != "gate_embedding_proj"],
+        # The gate's up-projection starts at zero: a low-rank update of it would stay tiny, so train it in full,
+        # and the gate tables too.
+        modules_to_save=(gate_table_names(model.config) + ["gate_embedding_proj"])
+        if settings.train_gate_tables
+        else [],
+    )
+    return get_peft_model(model, config)
+
+
+def save_checkpoint(accelerator: Accelerator, folder: Path, step: int, history: list[dict]) -> None:
+    """accelerate state + progress, written beside the last checkpoint and swapped in by renames."""
+    staging = folder.with_name(folder.name + ".saving")
+    shutil.rmtree(staging, ignore_errors=True)
+    accelerator.save_state(str(staging / STATE_FOLDER))
+    (staging / PROGRESS_FILE).write_text(json.dumps({"step": step, "history": history}))
+    previous = folder.with_name(folder.name + ".previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    if folder.exists():
+        folder.rename(previous)
+    staging.rename(folder)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def finetune(
+    student: EGMLAForCausalLM,
+    teacher: torch.nn.Module | None,
+    train_blocks: torch.Tensor,
+    settings: FinetuneSettings,
+    eval_blocks: torch.Tensor | None = None,
+) -> FinetuneResult:
+    """Trains `student` on token blocks [N, S] to match `teacher` (and/or the next tokens); returns the trained
+    model (LoRA merged into it) and the loss history."""
+    if teacher is None and settings.distill_weight > 0:
+        raise ValueError("Distillation (distill_weight > 0) needs a teacher.")
+    if settings.distill_weight <= 0 and settings.ce_weight <= 0:
+        raise ValueError("Nothing to train on: distill_weight and ce_weight are both 0.")
+    if settings.resume and settings.checkpoint_dir is None:
+        raise ValueError("resume=True needs a checkpoint_dir.")
+
+    accelerator = Accelerator()
+    torch.manual_seed(settings.seed)
+    model = with_lora(student, settings) if settings.lora else student
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=settings.weight_decay)
+
+    def schedule_factor(step: int) -> float:
+        warmup = min(1.0, (step + 1) / max(1, settings.warmup_steps))
+        return warmup * 0.5 * (1 + math.cos(math.pi * min(step, settings.steps) / settings.steps))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_factor)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if teacher is not None:
+        teacher = teacher.to(accelerator.device).eval()
+
+    start_step, history = 0, []
+    checkpoint = Path(settings.checkpoint_dir) / "last" if settings.checkpoint_dir else None
+    if settings.resume and checkpoint is not None and checkpoint.exists():
+        accelerator.load_state(str(checkpoint / STATE_FOLDER))
+        progress = json.loads((checkpoint / PROGRESS_FILE).read_text())
+        start_step, history = progress["step"], progress["history"]
+        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+
+    started = time.time()
+    stopped_early = False
+    bar = tqdm(
+        range(start_step, settings.steps),
+        desc="fine-tuning",
+        unit="step",
+        initial=start_step,
+        total=settings.steps,
+        disable=not accelerator.is_local_main_process,
+    )
+    step = start_step
+    for step in bar:
+        batch = train_blocks[batch_indices(step, len(train_blocks), settings.batch_size, settings.seed)]
+        batch = batch.to(accelerator.device)
+        outputs = model(input_ids=batch, labels=batch if settings.ce_weight > 0 else None, use_cache=False)
+        loss = torch.zeros((), device=accelerator.device)
+        if settings.distill_weight > 0:
+            with torch.no_grad():
+                teacher_logits = teacher(batch, use_cache=False).logits
+            loss = loss + settings.distill_weight * distillation_loss(
+                outputs.logits, teacher_logits, settings.temperature
+            )
+        if settings.ce_weight > 0:
+            loss = loss + settings.ce_weight * outputs.loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        history.append({"step": step + 1, "loss": loss.item()})
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+
+        done = step + 1
+        if eval_blocks is not None and settings.eval_every and done % settings.eval_every == 0:
+            held_out = mean_loss(model, eval_blocks, settings.batch_size)
+            history.append({"step": done, "held_out_loss": held_out})
+            accelerator.print(f"step {done}: held-out perplexity {math.exp(held_out):.3f}")
+        if checkpoint is not None and settings.save_every and done % settings.save_every == 0:
+            save_checkpoint(accelerator, checkpoint, done, history)
+        if settings.max_minutes is not None and time.time() - started > settings.max_minutes * 60:
+            stopped_early = done < settings.steps
+            break
+    steps_done = step + 1 if settings.steps > start_step else start_step
+    if checkpoint is not None:
+        save_checkpoint(accelerator, checkpoint, steps_done, history)
+
+    model = accelerator.unwrap_model(model)
+    if isinstance(model, PeftModel):
+        model = model.merge_and_unload()
+    model.eval()
+    return FinetuneResult(model, steps_done, time.time() - started, history, stopped_early)
+
+
+def settings_summary(settings: FinetuneSettings) -> dict:
+    summary = asdict(settings)
+    summary["checkpoint_dir"] = str(settings.checkpoint_dir) if settings.checkpoint_dir else None
+    return summary

@@ -1,0 +1,108 @@
+"""What a conversion report says: KV values per token measured on real caches, perplexities, a model card."""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from ..modeling_egmla import cache_nbytes
+
+
+@torch.no_grad()
+def measured_kv_values_per_token(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int = 8) -> dict:
+    """Runs `generate` and reads the cache it returns: K/V values per token per layer (token ids excluded) and
+    the bytes of the token ids per token, from the tensors the cache holds."""
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+    )
+    cache = out.cache
+    tokens = prompt.shape[0] * cache.get_seq_length()
+    ids_bytes = sum(
+        t.numel() * t.element_size()
+        for t in (getattr(layer, "token_ids", None) for layer in cache.layers)
+        if t is not None
+    )
+    itemsize = cache.layers[0].keys.element_size()
+    values = (cache_nbytes(cache) - ids_bytes) / itemsize / tokens / len(cache.layers)
+    return {"values_per_token_per_layer": values, "token_id_bytes_per_token": ids_bytes / tokens}
+
+
+def format_table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def report_rows(report: dict) -> list[tuple[str, str]]:
+    kv = report["kv"]
+    rows = [
+        ("source", report["source"]),
+        (
+            "KV values / token / layer",
+            f"{kv['source']:.1f} -> {kv['converted']:.1f} "
+            f"({1 - kv['converted'] / kv['source']:.2%} fewer; + {kv['converted_token_id_bytes']:.0f} B of token id)",
+        ),
+    ]
+    for name, value in report.get("perplexity", {}).items():
+        if value is not None:
+            rows.append((f"held-out perplexity, {name}", f"{value:.3f}"))
+    source_ppl = report.get("perplexity", {}).get("source")
+    for name in ("zero-shot", "fine-tuned"):
+        value = report.get("perplexity", {}).get(name)
+        if source_ppl and value:
+            rows.append((f"  {name} vs source", f"{value / source_ppl - 1:+.2%}"))
+    return rows
+
+
+def print_report(report: dict) -> None:
+    print("\nEG-MLA conversion report")
+    print(format_table(report_rows(report)))
+
+
+def write_model_card(folder: Path, report: dict) -> None:
+    """README.md (a Hub model card) and conversion_report.json in the output folder."""
+    (folder / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    settings = "\n".join(f"| `{key}` | `{value}` |" for key, value in report["settings"].items())
+    table = "\n".join(f"| {name} | {value} |" for name, value in report_rows(report))
+    card = f"""---
+library_name: transformers
+tags: [egmla, mla, kv-cache, retrofit]
+base_model: {report["source"]}
+---
+
+# EG-MLA retrofit of `{report["source"]}`
+
+This model is `{report["source"]}` converted by [egmla](https://pypi.org/project/egmla/) into Embedding-Gated
+Multi-head Latent Attention (arXiv 2509.16686): its K/V cache holds only a low-rank latent and a few rotary key
+dims per token.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("<this folder or repo>", trust_remote_code=True)
+```
+
+## Measurements
+
+| what | value |
+|---|---|
+{table}
+
+KV values are read from the cache objects of real `generate` calls; perplexities are on held-out text never
+used for fitting ({report.get("eval_text", "see the report")}).
+
+## Settings
+
+| setting | value |
+|---|---|
+{settings}
+"""
+    (folder / "README.md").write_text(card)
+
+
+def ppl_or_none(loss: float | None) -> float | None:
+    return math.exp(loss) if loss is not None else None

@@ -1,0 +1,96 @@
+"""Text to token blocks, and perplexity: shared by the quickstart, conversion, fine-tuning and the CLI."""
+
+import math
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+DOCUMENT_SEPARATOR = "<|endoftext|>"
+
+
+def read_documents(path: str | Path) -> list[str]:
+    """The documents of a text file: `<|endoftext|>`-separated if it has the marker, else one document."""
+    text = Path(path).read_text(encoding="utf-8")
+    documents = [document.strip() for document in text.split(DOCUMENT_SEPARATOR)]
+    return [document for document in documents if document]
+
+
+def token_blocks(tokenizer: PreTrainedTokenizerBase, documents: list[str], block_size: int) -> torch.Tensor:
+    """Concatenates `<bos> document <eos>` for every document and cuts the stream into [N, block_size] blocks."""
+    stream: list[int] = []
+    for document in documents:
+        if tokenizer.bos_token_id is not None:
+            stream.append(tokenizer.bos_token_id)
+        stream += tokenizer.encode(document, add_special_tokens=False)
+        if tokenizer.eos_token_id is not None:
+            stream.append(tokenizer.eos_token_id)
+    usable = len(stream) // block_size * block_size
+    if usable == 0:
+        raise ValueError(f"The text gives {len(stream)} tokens, fewer than one block of {block_size}.")
+    return torch.tensor(stream[:usable]).view(-1, block_size)
+
+
+def split_documents(documents: list[str], held_out_fraction: float) -> tuple[list[str], list[str]]:
+    """(fitting, held out): the held-out documents are the last ones and never used for fitting."""
+    held_out = max(1, round(len(documents) * held_out_fraction))
+    if held_out >= len(documents):
+        raise ValueError(f"{len(documents)} documents are too few to hold out {held_out_fraction:.0%} of them.")
+    return documents[:-held_out], documents[-held_out:]
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 8, progress: bool = False) -> float:
+    """Mean next-token cross-entropy (nats) over token blocks [N, S]."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    starts = range(0, len(blocks), batch_size)
+    for start in tqdm(starts, desc="evaluating", unit="batch", leave=False, disable=not progress):
+        batch = blocks[start : start + batch_size].to(device)
+        total += model(batch, labels=batch, use_cache=False).loss.item() * len(batch)
+        count += len(batch)
+    model.train(was_training)
+    return total / count
+
+
+def perplexity(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 8, progress: bool = False) -> float:
+    return math.exp(mean_loss(model, blocks, batch_size, progress))
+
+
+@torch.no_grad()
+def sample_blocks(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    count: int,
+    block_size: int,
+    seed: int = 0,
+    batch_size: int = 8,
+) -> torch.Tensor:
+    """Data-free text: `count` sequences of `block_size` tokens sampled from the model itself, from its BOS."""
+    start_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    device = next(model.parameters()).device
+    blocks = []
+    try:
+        for start in tqdm(range(0, count, batch_size), desc="sampling text from the source", unit="batch"):
+            rows = min(batch_size, count - start)
+            prompt = torch.full((rows, 1), start_id, device=device)
+            out = model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                do_sample=True,
+                top_k=0,
+                top_p=1.0,
+                temperature=1.0,
+                max_new_tokens=block_size - 1,
+                min_new_tokens=block_size - 1,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+            blocks.append(out.cpu())
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return torch.cat(blocks)

@@ -1,0 +1,236 @@
+"""Retrofitting Llama checkpoints into EG-MLA: exactness, factorizations, GQA, rope scaling, errors, CLI."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from egmla.cli import main
+from egmla.conversion import calibrate, convert_llama_to_egmla, load_llama, load_tokenizer
+from egmla.conversion.convert import LayerStatistics, allocate_ranks, factorize, fold_mean_rotation, mean_rotation
+from egmla.text import perplexity, read_documents, split_documents, token_blocks
+from tests.conftest import STORIES260K, TINYSTORIES, needs_shared
+
+
+def random_gqa_llama(rope_parameters=None, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    values = {
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 128,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "rope_parameters": rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    values.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**values)).eval()
+
+
+@pytest.fixture(scope="module")
+def stories():
+    """The real stories260K checkpoint, fitting text and held-out text (never used for fitting)."""
+    needs_shared(STORIES260K)
+    needs_shared(TINYSTORIES)
+    teacher = load_llama(STORIES260K)
+    tokenizer = load_tokenizer(STORIES260K)
+    fitting, held_out = split_documents(read_documents(TINYSTORIES), 0.1)
+    return {
+        "teacher": teacher,
+        "calibration": token_blocks(tokenizer, fitting[:300], 256)[:48],
+        "held_out": token_blocks(tokenizer, held_out, 256)[:48],
+    }
+
+
+def test_full_rank_all_pairs_reproduces_stories260k(stories):
+    teacher = stories["teacher"]
+    student = convert_llama_to_egmla(
+        teacher,
+        kv_lora_rank=32,
+        rope_pairs_per_head=4,
+        calibration_blocks=stories["calibration"],
+        gate_embedding_dim=16,
+    )
+    input_ids = stories["held_out"][:2]
+    with torch.no_grad():
+        assert (student(input_ids).logits - teacher(input_ids).logits).abs().max() <= 1e-4
+    # Partial RoPE removes positional information: with fewer pairs the model is no longer exact.
+    partial = convert_llama_to_egmla(
+        teacher, kv_lora_rank=40, rope_pairs_per_head=3, calibration_blocks=stories["calibration"]
+    )
+    with torch.no_grad():
+        assert (partial(input_ids).logits - teacher(input_ids).logits).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    ],
+    ids=lambda params: params["rope_type"],
+)
+def test_full_rank_reproduces_a_random_gqa_llama(rope_parameters):
+    teacher = random_gqa_llama(rope_parameters)
+    calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
+    # GQA: 8 query heads share 2 KV heads; the up-projection emits K/V for every query head.
+    student = convert_llama_to_egmla(
+        teacher, kv_lora_rank=32, rope_pairs_per_head=8, calibration_blocks=calibration, gate_embedding_dim=8
+    )
+    assert student.config.rope_key_heads == 2 and student.config.num_attention_heads == 8
+    assert student.config.rope_parameters == teacher.config.rope_parameters
+    assert student.model.layers[0].self_attn.kv_b_proj.out_features == 8 * (0 + 16)
+    assert student.model.layers[0].self_attn.scaling == pytest.approx(16**-0.5)  # the source's 1/sqrt(head_dim)
+    input_ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(1))  # past the original 32
+    with torch.no_grad():
+        assert (student(input_ids).logits - teacher(input_ids).logits).abs().max() <= 1e-4
+        assert torch.equal(
+            student.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
+            teacher.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
+        )
+
+
+def test_activation_aware_beats_weight_only_on_stories260k(stories):
+    teacher, held_out = stories["teacher"], stories["held_out"]
+    statistics = calibrate(teacher, stories["calibration"])
+    results = {}
+    for factorization in ("activation", "weight"):
+        student = convert_llama_to_egmla(
+            teacher, kv_cut=0.5, rope_pairs_per_head=3, factorization=factorization, statistics=statistics
+        )
+        assert student.config.kv_cache_values_per_token() / student.config.num_hidden_layers == 32
+        results[factorization] = perplexity(student, held_out)
+    assert results["activation"] < results["weight"]
+
+
+def test_energy_rank_allocation_keeps_the_budget(stories):
+    statistics = calibrate(stories["teacher"], stories["calibration"][:8])
+    student = convert_llama_to_egmla(
+        stories["teacher"], kv_lora_rank=16, rope_pairs_per_head=2, statistics=statistics, rank_allocation="energy"
+    )
+    ranks = student.config.kv_lora_rank
+    assert isinstance(ranks, list) and sum(ranks) == 16 * 5 and min(ranks) >= 1
+    assert perplexity(student, stories["held_out"][:8]) < 1e3
+
+
+def test_allocate_ranks_takes_the_largest_energy_shares():
+    flat = factorize(torch.eye(6)[:4] * 1.0, None, 0.0)  # four equal directions
+    peaked = factorize(torch.diag(torch.tensor([10.0, 1.0, 0.1, 0.01])), None, 0.0)
+    assert allocate_ranks([flat, peaked], 2, "uniform") == [2, 2]
+    assert allocate_ranks([flat, peaked], 2, "energy") == [3, 1]
+
+
+def test_mean_rotation_fold_is_exact_for_a_single_distance():
+    """With all attention at one distance d, a dropped pair's folded key gives exactly the rotated score."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    head_dim, distance = 8, 5
+    inv_freq = torch.tensor([1.0, 0.3, 0.05, 0.01])
+    weights = torch.zeros(1, 16)
+    weights[0, distance] = 1.0
+    statistics = LayerStatistics(torch.empty(0), torch.ones(1, 4), torch.ones(1, 4), weights, 1)
+    cos, sin = mean_rotation(statistics, inv_freq)
+    query, key = torch.randn(head_dim), torch.randn(head_dim)
+    folded = fold_mean_rotation(key[:, None], [0, 1, 2, 3], cos[0], sin[0])[:, 0]
+
+    def rotated(x, position):
+        angles = torch.cat([inv_freq, inv_freq]) * position
+        return apply_rotary_pos_emb(x[None, None, None], x[None, None, None], angles.cos()[None], angles.sin()[None])[0]
+
+    expected = (rotated(query, 12 + distance) * rotated(key, 12)).sum()
+    assert torch.allclose((query * folded).sum().double(), expected.double(), atol=1e-5)
+
+
+def test_refuses_what_it_cannot_convert(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(ValueError, match="only Llama"):
+        load_llama(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="'gpt2' checkpoint; only Llama"):
+        load_llama(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="attention biases"):
+        load_llama(random_gqa_llama(attention_bias=True))
+    teacher = random_gqa_llama()
+    with pytest.raises(ValueError, match=r"rank must lie in \[1, 56\]"):
+        convert_llama_to_egmla(teacher, kv_lora_rank=57, rope_pairs_per_head=2, factorization="weight")
+    with pytest.raises(ValueError, match="rope_pairs_per_head"):
+        convert_llama_to_egmla(teacher, kv_lora_rank=8, rope_pairs_per_head=9, factorization="weight")
+    with pytest.raises(ValueError, match="cut leaves"):
+        convert_llama_to_egmla(teacher, kv_cut=0.9, rope_pairs_per_head=4, factorization="weight")
+    with pytest.raises(ValueError, match="calibration_blocks"):
+        convert_llama_to_egmla(teacher, kv_lora_rank=8, rope_pairs_per_head=2)
+    with pytest.raises(ValueError, match="exactly one"):
+        convert_llama_to_egmla(teacher, rope_pairs_per_head=2, factorization="weight")
+
+
+def folder_digest(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_source(tmp_path, monkeypatch):
+    source = tmp_path / "source"
+    random_gqa_llama(vocab_size=512).save_pretrained(source)  # the stories260K tokenizer's vocabulary
+    load_tokenizer_source = STORIES260K if STORIES260K.exists() else None
+    if load_tokenizer_source is None:
+        pytest.skip(f"{STORIES260K} is absent: a tokenizer is needed for the CLI")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (source / name).write_bytes((STORIES260K / name).read_bytes())
+    text = tmp_path / "text.txt"
+    text.write_text("\n<|endoftext|>\n".join(f"Story {i}: the cat sat on the mat and ran far." for i in range(60)))
+    before = folder_digest(source)
+    out = tmp_path / "out"
+    args = [
+        "convert",
+        str(source),
+        str(out),
+        "--kv-lora-rank",
+        "16",
+        "--rope-pairs",
+        "2",
+        "--calib-text",
+        str(text),
+        "--block-size",
+        "32",
+        "--gate-dim",
+        "8",
+    ]
+
+    # A failure half-way through writing leaves neither the output nor a staging folder behind.
+    import egmla.conversion.pipeline as pipeline
+
+    def broken_card(folder, report):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(pipeline, "write_model_card", broken_card)
+    with pytest.raises(RuntimeError, match="disk full"):
+        main(args)
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+    monkeypatch.undo()
+
+    main(args)
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert report["kv"]["source"] == 2 * 2 * 16 and report["kv"]["converted"] == 16 + 2 * 4
+    assert {"README.md", "modeling_egmla.py", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    with pytest.raises(SystemExit, match="exists"):
+        main(args)
+    assert folder_digest(source) == before  # the source is never written
