@@ -52,11 +52,8 @@ def test_five_steps_lower_the_distillation_loss(pair, lora):
 def test_an_interrupted_run_resumes_where_it_stopped(tmp_path, monkeypatch):
     settings = dict(steps=6, batch_size=4, learning_rate=3e-3, warmup_steps=2, eval_every=0, save_every=2)
 
-    teacher, student, blocks = (
-        random_gqa_llama(),
-        None,
-        torch.randint(3, 96, (16, 32), generator=torch.Generator().manual_seed(0)),
-    )
+    teacher = random_gqa_llama()
+    blocks = torch.randint(3, 96, (16, 32), generator=torch.Generator().manual_seed(0))
 
     def fresh_student():
         return convert_llama_to_egmla(
