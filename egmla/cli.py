@@ -7,7 +7,9 @@ from pathlib import Path
 from .quickstart import DEFAULT_TEXT, DEFAULT_TOKENIZER, QuickstartSettings, run_quickstart
 
 
-def add_text_options(parser: argparse.ArgumentParser, train_flag: str) -> None:
+def add_text_options(
+    parser: argparse.ArgumentParser, train_flag: str, block_size: int = 256, sampled_blocks: int = 64
+) -> None:
     parser.add_argument(
         train_flag,
         dest="train_text",
@@ -21,9 +23,11 @@ def add_text_options(parser: argparse.ArgumentParser, train_flag: str) -> None:
         default=None,
         help="held-out text (default: the last 10%% of the fitting text, or the embedded excerpt)",
     )
-    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=block_size)
     parser.add_argument("--calib-blocks", type=int, default=64, help="blocks of fitting text used to calibrate")
-    parser.add_argument("--sampled-blocks", type=int, default=64, help="blocks to sample when no text is given")
+    parser.add_argument(
+        "--sampled-blocks", type=int, default=sampled_blocks, help="blocks to sample when no text is given"
+    )
     parser.add_argument("--eval-blocks", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
 
@@ -44,16 +48,27 @@ def add_convert_options(parser: argparse.ArgumentParser, default_cut: float | No
     parser.add_argument("--rank-allocation", choices=["uniform", "energy"], default="uniform")
 
 
-def add_finetune_options(parser: argparse.ArgumentParser, default_steps: int) -> None:
+def add_finetune_options(
+    parser: argparse.ArgumentParser,
+    default_steps: int,
+    batch_size: int = 8,
+    lr: float = 1e-3,
+    max_minutes: float | None = None,
+) -> None:
     parser.add_argument("--steps", type=int, default=default_steps)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--lr", type=float, default=lr)
     parser.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
     parser.add_argument("--ce-weight", type=float, default=0.0, help="weight of the next-token cross-entropy")
     parser.add_argument("--lora", action="store_true", help="LoRA adapters (merged at the end) instead of all weights")
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument(
+        "--attention-only",
+        action="store_true",
+        help="train only the attention layers and gate tables (what the conversion changed)",
+    )
     parser.add_argument("--eval-every", type=int, default=100)
-    parser.add_argument("--max-minutes", type=float, default=None, help="stop fine-tuning after this long")
+    parser.add_argument("--max-minutes", type=float, default=max_minutes, help="stop fine-tuning after this long")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     retrofit.add_argument("--overwrite", action="store_true")
     retrofit.add_argument("--prompt", default="Once upon a time", help="prompt of the printed sample")
     add_convert_options(retrofit, default_cut=0.6875)
-    add_text_options(retrofit, "--train-text")
-    add_finetune_options(retrofit, default_steps=150)
+    # Sized to finish in about 15 minutes on 2 CPU cores for SmolLM2-135M.
+    add_text_options(retrofit, "--train-text", block_size=128, sampled_blocks=128)
+    add_finetune_options(retrofit, default_steps=120, batch_size=4, lr=5e-4, max_minutes=8.0)
 
     convert = commands.add_parser("convert", help="convert a Llama checkpoint into EG-MLA (no fine-tuning)")
     convert.add_argument("source", help="Llama folder, Hub id or .gguf file")
@@ -154,6 +170,7 @@ def finetune_settings(args: argparse.Namespace, checkpoint_dir: Path | None, res
         ce_weight=args.ce_weight,
         lora=args.lora,
         lora_rank=args.lora_rank,
+        attention_only=args.attention_only,
         eval_every=args.eval_every,
         save_every=args.eval_every,
         checkpoint_dir=checkpoint_dir,

@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from .configuration_egmla import EGMLAConfig
-from .modeling_egmla import EGMLAForCausalLM, cache_nbytes
+from .measure import cache_bytes_per_token
+from .modeling_egmla import EGMLAForCausalLM
 from .outputs import atomic_folder, check_output_folder
 from .text import mean_loss, read_documents, split_documents, token_blocks
 
@@ -62,20 +63,6 @@ def small_config(tokenizer: PreTrainedTokenizerBase, **overrides) -> EGMLAConfig
     }
     values.update(overrides)
     return EGMLAConfig(**values)
-
-
-def measured_cache_bytes_per_token(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> float:
-    """Bytes per token (all layers, one sequence) held by the real cache object after `generate`."""
-    out = model.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        return_dict_in_generate=True,
-    )
-    cached_tokens = prompt.shape[0] * (prompt.shape[1] + new_tokens - 1)  # the last token never enters the cache
-    return cache_nbytes(out.cache) / cached_tokens
 
 
 def train(model: EGMLAForCausalLM, blocks: torch.Tensor, settings: QuickstartSettings) -> list[float]:
@@ -152,7 +139,7 @@ def run_quickstart(settings: QuickstartSettings) -> dict:
     ).eval()
     batch_prompt = held_out_blocks[:4, :32]
     cache = {
-        name: measured_cache_bytes_per_token(m, batch_prompt, new_tokens=16)
+        name: cache_bytes_per_token(m, batch_prompt, new_tokens=16)
         for name, m in (("llama_mha", mha), ("mla", mla), ("egmla", model))
     }
 

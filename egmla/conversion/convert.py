@@ -57,6 +57,7 @@ def load_llama(source: str | Path | PreTrainedModel) -> LlamaForCausalLM:
         if gguf_file is not None:
             # De-quantized to float32 on load: the GGUF quantization no longer describes these weights.
             del model.config.quantization_config
+            model.hf_quantizer, model.is_quantized = None, False
     if not isinstance(model, LlamaForCausalLM):
         raise ValueError(
             f"Got a {type(model).__name__}; only Llama (LlamaForCausalLM, MHA or GQA) sources can be converted."
@@ -68,7 +69,7 @@ def load_llama(source: str | Path | PreTrainedModel) -> LlamaForCausalLM:
         raise ValueError("The source has MLP biases (mlp_bias=True); EG-MLA's SwiGLU MLP has none.")
     if config.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("Sources with partial_rotary_factor != 1 are not supported.")
-    return model.float().eval()
+    return model.to(torch.float32).eval()
 
 
 def load_tokenizer(source: str | Path | PreTrainedModel) -> PreTrainedTokenizerBase:

@@ -39,6 +39,7 @@ class FinetuneSettings:
     ce_weight: float = 0.0
     lora: bool = False
     lora_rank: int = 16
+    attention_only: bool = False  # train only the attention layers and gate tables (what the conversion changed)
     train_gate_tables: bool = True
     eval_every: int = 50
     save_every: int = 50
@@ -116,7 +117,12 @@ def finetune(
 
     accelerator = Accelerator()
     torch.manual_seed(settings.seed)
+    if settings.attention_only and settings.lora:
+        raise ValueError("attention_only and lora are exclusive: LoRA already chooses what it trains.")
     model = with_lora(student, settings) if settings.lora else student
+    if settings.attention_only:
+        for name, param in model.named_parameters():
+            param.requires_grad_(".self_attn." in name or "gate_embeddings" in name)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=settings.weight_decay)

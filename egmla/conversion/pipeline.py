@@ -9,11 +9,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from ..measure import kv_values_per_token
 from ..outputs import atomic_folder, check_output_folder
 from ..text import mean_loss, read_documents, sample_blocks, split_documents, token_blocks
 from .convert import calibrate, convert_llama_to_egmla, load_llama, load_tokenizer
 from .finetune import FinetuneSettings, finetune, settings_summary
-from .report import measured_kv_values_per_token, ppl_or_none, print_report, write_model_card
+from .report import ppl_or_none, print_report, write_model_card
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_EVAL_TEXT = Path(__file__).resolve().parents[1] / "data" / "tinystories_excerpt.txt"
@@ -130,8 +131,8 @@ def run_conversion(
         }
 
     prompt = text.held_out[:2, :32]
-    source_kv = measured_kv_values_per_token(teacher, prompt)
-    converted_kv = measured_kv_values_per_token(student, prompt)
+    source_kv = kv_values_per_token(teacher, prompt)
+    converted_kv = kv_values_per_token(student, prompt)
     report = {
         "source": str(source),
         "settings": {

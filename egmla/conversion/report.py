@@ -4,34 +4,6 @@ import json
 import math
 from pathlib import Path
 
-import torch
-
-from ..modeling_egmla import cache_nbytes
-
-
-@torch.no_grad()
-def measured_kv_values_per_token(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int = 8) -> dict:
-    """Runs `generate` and reads the cache it returns: K/V values per token per layer (token ids excluded) and
-    the bytes of the token ids per token, from the tensors the cache holds."""
-    out = model.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        return_dict_in_generate=True,
-    )
-    cache = out.cache
-    tokens = prompt.shape[0] * cache.get_seq_length()
-    ids_bytes = sum(
-        t.numel() * t.element_size()
-        for t in (getattr(layer, "token_ids", None) for layer in cache.layers)
-        if t is not None
-    )
-    itemsize = cache.layers[0].keys.element_size()
-    values = (cache_nbytes(cache) - ids_bytes) / itemsize / tokens / len(cache.layers)
-    return {"values_per_token_per_layer": values, "token_id_bytes_per_token": ids_bytes / tokens}
-
 
 def format_table(rows: list[tuple[str, str]]) -> str:
     width = max(len(name) for name, _ in rows)
