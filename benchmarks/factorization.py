@@ -1,4 +1,5 @@
-"""Zero-shot held-out perplexity of a converted Llama: activation-aware vs weight-only factorization, side by side.
+"""Zero-shot held-out perplexity of a converted Llama: activation-aware vs weight-only factorization, side by side
+(and, with --pair-selection-too, our rotation-aware rope-pair choice vs MHA2MLA's 2-norm at full latent rank).
 
     python benchmarks/factorization.py ../shared/assets/stories260K-hf --kv-cut 0.5 --rope-pairs 3 \
         --text ../shared/assets/text/tinystories_train_2MiB.txt
@@ -29,27 +30,58 @@ def main() -> None:
     parser.add_argument("--calib-blocks", type=int, default=64)
     parser.add_argument("--eval-blocks", type=int, default=64)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--pair-selection-too",
+        action="store_true",
+        help="add rows for the rope-pair choice alone (latent at full rank, so only RoPE differs)",
+    )
     args = parser.parse_args()
 
     source = args.source or default_source()
     teacher, tokenizer = load_llama(source), load_tokenizer(source)
-    text = prepare_text(teacher, tokenizer, TextSettings(
-        train_text=args.text, block_size=args.block_size, calibration_blocks=args.calib_blocks,
-        sampled_blocks=args.calib_blocks, eval_blocks=args.eval_blocks,
-    ))
+    text = prepare_text(
+        teacher,
+        tokenizer,
+        TextSettings(
+            train_text=args.text,
+            block_size=args.block_size,
+            calibration_blocks=args.calib_blocks,
+            sampled_blocks=args.calib_blocks,
+            eval_blocks=args.eval_blocks,
+        ),
+    )
     statistics = calibrate(teacher, text.fit[: args.calib_blocks])
     rows = {"source": perplexity(teacher, text.held_out)}
     for factorization in ("activation", "weight"):
         torch.manual_seed(0)
-        student = convert_llama_to_egmla(teacher, kv_cut=args.kv_cut, rope_pairs_per_head=args.rope_pairs,
-                                         factorization=factorization, statistics=statistics)
+        student = convert_llama_to_egmla(
+            teacher,
+            kv_cut=args.kv_cut,
+            rope_pairs_per_head=args.rope_pairs,
+            factorization=factorization,
+            statistics=statistics,
+        )
         rows[f"{factorization}-aware" if factorization == "activation" else "weight-only"] = perplexity(
             student, text.held_out
         )
     values = student.config.kv_cache_values_per_token() / student.config.num_hidden_layers
+    if args.pair_selection_too:
+        pairs = student.config.qk_rope_head_dim // 2
+        full_rank = teacher.config.num_key_value_heads * (2 * teacher.config.head_dim - 2 * pairs)
+        for selection in ("rotation", "norm"):
+            exact_latent = convert_llama_to_egmla(
+                teacher,
+                kv_lora_rank=min(full_rank, teacher.config.hidden_size),
+                rope_pairs_per_head=pairs,
+                statistics=statistics,
+                pair_selection=selection,
+            )
+            rows[f"full-rank latent, {selection} pair choice"] = perplexity(exact_latent, text.held_out)
     source_values = 2 * teacher.config.num_key_value_heads * teacher.config.head_dim
-    print(f"\n{source}: {source_values} -> {values:.0f} KV values/token/layer ({args.kv_cut:.2%} cut), "
-          f"rope pairs/head {student.config.qk_rope_head_dim // 2}; held-out text: {text.description['eval_text']}")
+    print(
+        f"\n{source}: {source_values} -> {values:.0f} KV values/token/layer ({args.kv_cut:.2%} cut), "
+        f"rope pairs/head {student.config.qk_rope_head_dim // 2}; held-out text: {text.description['eval_text']}"
+    )
     print("| model | zero-shot held-out perplexity | vs source |\n|---|---|---|")
     for name, value in rows.items():
         print(f"| {name} | {value:.3f} | {value / rows['source'] - 1:+.1%} |")

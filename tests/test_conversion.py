@@ -234,3 +234,21 @@ def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_so
     with pytest.raises(SystemExit, match="exists"):
         main(args)
     assert folder_digest(source) == before  # the source is never written
+
+
+def test_rotation_aware_pair_choice_beats_the_2_norm_on_stories260k(stories):
+    """With the latent at full rank only the RoPE pairs differ: keeping pairs that barely rotate (2-norm) costs
+    more than keeping those whose rotation varies over the distances attended (ours)."""
+    teacher, held_out = stories["teacher"], stories["held_out"][:16]
+    statistics = calibrate(teacher, stories["calibration"][:16])
+    results = {}
+    for selection in ("rotation", "norm"):
+        student = convert_llama_to_egmla(
+            teacher, kv_lora_rank=40, rope_pairs_per_head=3, statistics=statistics, pair_selection=selection
+        )
+        results[selection] = perplexity(student, held_out)
+    assert results["rotation"] < results["norm"]
+    with pytest.raises(ValueError, match="pair_selection"):
+        convert_llama_to_egmla(
+            teacher, kv_lora_rank=40, rope_pairs_per_head=3, statistics=statistics, pair_selection="random"
+        )

@@ -23,6 +23,7 @@ from ..configuration_egmla import EGMLAConfig
 from ..modeling_egmla import EGMLAForCausalLM
 
 FACTORIZATIONS = ("activation", "weight")
+PAIR_SELECTIONS = ("rotation", "norm")
 RANK_ALLOCATIONS = ("uniform", "energy")
 
 
@@ -178,19 +179,23 @@ def mean_rotation(statistics: LayerStatistics, inv_freq: torch.Tensor) -> tuple[
     return (weights * angles.cos()).sum(-1), (weights * angles.sin()).sum(-1)
 
 
-def select_rope_pairs(statistics: LayerStatistics, inv_freq: torch.Tensor, pairs_per_head: int) -> list[list[int]]:
+def select_rope_pairs(
+    statistics: LayerStatistics, inv_freq: torch.Tensor, pairs_per_head: int, selection: str = "rotation"
+) -> list[list[int]]:
     """Per KV head, the `pairs_per_head` rotary pairs whose removal would cost most, in increasing index.
 
     MHA2MLA ranks pairs by their q.k contribution (2-norms of the query and key pairs). A pair whose angle
     barely changes over the distances the head attends across loses little when its rotation is replaced by its
     mean, however large it is, so the contribution is weighted by the variance of the rotation,
-    E||R - E R||^2 / 2 = 1 - E[cos]^2 - E[sin]^2.
+    E||R - E R||^2 / 2 = 1 - E[cos]^2 - E[sin]^2 (`selection="rotation"`; `"norm"` is MHA2MLA's criterion).
     """
     key_heads = statistics.key_pair_norms.shape[0]
     group = statistics.query_pair_norms.shape[0] // key_heads
     query = statistics.query_pair_norms.view(key_heads, group, -1).sum(dim=1)  # [Hkv, hd/2]
     cos, sin = mean_rotation(statistics, inv_freq)
-    scores = query * statistics.key_pair_norms * (1 - cos.square() - sin.square()).float()
+    scores = query * statistics.key_pair_norms
+    if selection == "rotation":
+        scores = scores * (1 - cos.square() - sin.square()).float()
     return [sorted(head.topk(pairs_per_head).indices.tolist()) for head in scores]
 
 
@@ -312,6 +317,7 @@ def convert_llama_to_egmla(
     rank_allocation: str = "uniform",
     damping: float = 1e-2,
     statistics: list[LayerStatistics] | None = None,
+    pair_selection: str = "rotation",
 ) -> EGMLAForCausalLM:
     """Converts a Llama checkpoint into an EG-MLA model (see the module docstring).
 
@@ -327,9 +333,12 @@ def convert_llama_to_egmla(
             (without them the pairs are chosen by weight norms alone).
         rank_allocation: `"uniform"` (every layer `kv_lora_rank`) or `"energy"` (per-layer ranks, same total).
         statistics: precomputed `calibrate(...)` output, to convert several ways without recalibrating.
+        pair_selection: `"rotation"` (contribution x rotation variance, ours) or `"norm"` (MHA2MLA's 2-norm).
     """
     if factorization not in FACTORIZATIONS:
         raise ValueError(f"factorization must be one of {FACTORIZATIONS}, got {factorization!r}.")
+    if pair_selection not in PAIR_SELECTIONS:
+        raise ValueError(f"pair_selection must be one of {PAIR_SELECTIONS}, got {pair_selection!r}.")
     if rank_allocation not in RANK_ALLOCATIONS:
         raise ValueError(f"rank_allocation must be one of {RANK_ALLOCATIONS}, got {rank_allocation!r}.")
     if (kv_lora_rank is None) == (kv_cut is None):
@@ -379,7 +388,7 @@ def convert_llama_to_egmla(
                 tokens=0,
             )
         )
-        layer_pairs = select_rope_pairs(layer_statistics, inv_freq, pairs)
+        layer_pairs = select_rope_pairs(layer_statistics, inv_freq, pairs, pair_selection)
         mean_cos, mean_sin = mean_rotation(layer_statistics, inv_freq)
         dims = [rope_and_nope_dims(head_pairs, head_dim) for head_pairs in layer_pairs]
         kept_pairs.append(layer_pairs)
