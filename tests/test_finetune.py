@@ -127,3 +127,23 @@ def test_retrofit_end_to_end_on_stories260k(tmp_path):
     assert report["kv"] == {"source": 64.0, "converted": 32.0, "converted_token_id_bytes": 8.0}
     assert report["perplexity"]["fine-tuned"] < report["perplexity"]["zero-shot"]
     assert report["finetune"]["steps_done"] == 5 and report["sample"].startswith("Once upon a time")
+
+
+def test_finetune_takes_documents_with_their_tokenizer():
+    needs_shared(STORIES260K)
+    from egmla.conversion import load_llama, load_tokenizer
+
+    teacher, tokenizer = load_llama(STORIES260K), load_tokenizer(STORIES260K)
+    documents = ["Once upon a time there was a cat.", "The dog ran to the park and played."] * 20
+    student = convert_llama_to_egmla(teacher, kv_cut=0.5, rope_pairs_per_head=3, calibration_texts=documents)
+    result = finetune(
+        student,
+        teacher,
+        documents,
+        FinetuneSettings(steps=2, batch_size=2, eval_every=0),
+        tokenizer=tokenizer,
+        block_size=32,
+    )
+    assert result.steps_done == 2
+    with pytest.raises(ValueError, match="tokenizer"):
+        finetune(student, teacher, documents, FinetuneSettings(steps=1))

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM, PreTrained
 
 from ..configuration_egmla import EGMLAConfig
 from ..modeling_egmla import EGMLAForCausalLM
+from ..text import token_blocks
 
 FACTORIZATIONS = ("activation", "weight")
 PAIR_SELECTIONS = ("rotation", "norm")
@@ -314,6 +315,7 @@ def convert_llama_to_egmla(
     gate_position: str = "kv",
     factorization: str = "activation",
     calibration_blocks: torch.Tensor | None = None,
+    calibration_texts: list[str] | None = None,
     rank_allocation: str = "uniform",
     damping: float = 1e-2,
     statistics: list[LayerStatistics] | None = None,
@@ -331,6 +333,8 @@ def convert_llama_to_egmla(
         factorization: `"activation"` (whitened by the calibration covariance) or `"weight"` (plain SVD).
         calibration_blocks: token ids [N, S] for calibration; needed for `"activation"` and to choose rope pairs
             (without them the pairs are chosen by weight norms alone).
+        calibration_texts: documents to calibrate on instead, tokenized with the source's tokenizer into blocks
+            of 256 tokens.
         rank_allocation: `"uniform"` (every layer `kv_lora_rank`) or `"energy"` (per-layer ranks, same total).
         statistics: precomputed `calibrate(...)` output, to convert several ways without recalibrating.
         pair_selection: `"rotation"` (contribution x rotation variance, ours) or `"norm"` (MHA2MLA's 2-norm).
@@ -348,6 +352,10 @@ def convert_llama_to_egmla(
 
     teacher = load_llama(source)
     config = teacher.config
+    if calibration_texts is not None:
+        if calibration_blocks is not None:
+            raise ValueError("Give calibration_blocks or calibration_texts, not both.")
+        calibration_blocks = token_blocks(load_tokenizer(source), calibration_texts, 256)
     head_dim, key_heads, query_heads = config.head_dim, config.num_key_value_heads, config.num_attention_heads
     group = query_heads // key_heads
     pairs = rope_pairs_per_head if rope_pairs_per_head is not None else max(1, head_dim // 16)

@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from peft import LoraConfig, PeftModel, get_peft_model
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from .. import LORA_TARGET_MODULES, gate_table_names
 from ..modeling_egmla import EGMLAForCausalLM
-from ..text import mean_loss
+from ..text import mean_loss, token_blocks
 
 STATE_FOLDER = "accelerate_state"
 PROGRESS_FILE = "progress.json"
@@ -102,12 +103,18 @@ def save_checkpoint(accelerator: Accelerator, folder: Path, step: int, history: 
 def finetune(
     student: EGMLAForCausalLM,
     teacher: torch.nn.Module | None,
-    train_blocks: torch.Tensor,
+    train_blocks: torch.Tensor | list[str],
     settings: FinetuneSettings,
     eval_blocks: torch.Tensor | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    block_size: int = 256,
 ) -> FinetuneResult:
-    """Trains `student` on token blocks [N, S] to match `teacher` (and/or the next tokens); returns the trained
-    model (LoRA merged into it) and the loss history."""
+    """Trains `student` on token blocks [N, S] (or documents, with their `tokenizer`) to match `teacher` (and/or
+    the next tokens); returns the trained model (LoRA merged into it) and the loss history."""
+    if isinstance(train_blocks, list):
+        if tokenizer is None:
+            raise ValueError("Training on texts needs their tokenizer.")
+        train_blocks = token_blocks(tokenizer, train_blocks, block_size)
     if teacher is None and settings.distill_weight > 0:
         raise ValueError("Distillation (distill_weight > 0) needs a teacher.")
     if settings.distill_weight <= 0 and settings.ce_weight <= 0:
