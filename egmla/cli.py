@@ -67,7 +67,8 @@ def add_finetune_options(
         action="store_true",
         help="train only the attention layers and gate tables (what the conversion changed)",
     )
-    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--eval-every", type=int, default=100, help="held-out perplexity every N steps (0 = never)")
+    parser.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (0 = only at the end)")
     parser.add_argument("--max-minutes", type=float, default=max_minutes, help="stop fine-tuning after this long")
 
 
@@ -172,7 +173,7 @@ def finetune_settings(args: argparse.Namespace, checkpoint_dir: Path | None, res
         lora_rank=args.lora_rank,
         attention_only=args.attention_only,
         eval_every=args.eval_every,
-        save_every=args.eval_every,
+        save_every=args.save_every,
         checkpoint_dir=checkpoint_dir,
         resume=resume,
         seed=args.seed,

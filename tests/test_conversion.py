@@ -118,16 +118,6 @@ def test_activation_aware_beats_weight_only_on_stories260k(stories):
     assert results["activation"] < results["weight"]
 
 
-def test_energy_rank_allocation_keeps_the_budget(stories):
-    statistics = calibrate(stories["teacher"], stories["calibration"][:8])
-    student = convert_llama_to_egmla(
-        stories["teacher"], kv_lora_rank=16, rope_pairs_per_head=2, statistics=statistics, rank_allocation="energy"
-    )
-    ranks = student.config.kv_lora_rank
-    assert isinstance(ranks, list) and sum(ranks) == 16 * 5 and min(ranks) >= 1
-    assert perplexity(student, stories["held_out"][:8]) < 1e3
-
-
 def test_allocate_ranks_takes_the_largest_energy_shares():
     flat = factorize(torch.eye(6)[:4] * 1.0, None, 0.0)  # four equal directions
     peaked = factorize(torch.diag(torch.tensor([10.0, 1.0, 0.1, 0.01])), None, 0.0)
@@ -233,6 +223,10 @@ def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_so
     assert {"README.md", "modeling_egmla.py", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     with pytest.raises(SystemExit, match="exists"):
         main(args)
+    (out / "stale.txt").write_text("from an earlier run")
+    main([*args, "--overwrite"])  # replaced as a whole
+    assert not (out / "stale.txt").exists() and (out / "conversion_report.json").exists()
+    assert oct(out.stat().st_mode & 0o777) == oct(0o755)
     assert folder_digest(source) == before  # the source is never written
 
 
@@ -252,3 +246,65 @@ def test_rotation_aware_pair_choice_beats_the_2_norm_on_stories260k(stories):
         convert_llama_to_egmla(
             teacher, kv_lora_rank=40, rope_pairs_per_head=3, statistics=statistics, pair_selection="random"
         )
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ],
+    ids=["default", "yarn", "yarn-mscale"],
+)
+def test_partial_rope_is_exact_when_the_dropped_pairs_never_rotate(rope_parameters):
+    """Pairs with zero frequency carry no position, so moving them to NoPE (and through the low-rank latent at
+    full rank) must keep the logits: this exercises the NoPE permutation, the per-group up-projection, the
+    mean-rotation fold and the YaRN attention factor."""
+    teacher = random_gqa_llama(rope_parameters)
+    with torch.no_grad():
+        teacher.model.rotary_emb.inv_freq[[1, 3, 4, 6]] = 0.0
+    calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
+    student = convert_llama_to_egmla(
+        teacher, kv_lora_rank=48, rope_pairs_per_head=4, calibration_blocks=calibration, gate_embedding_dim=8
+    )
+    assert student.config.rope_frequency_indices[0] == [[0, 2, 5, 7], [0, 2, 5, 7]]
+    input_ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (student(input_ids).logits - teacher(input_ids).logits).abs().max() <= 1e-4
+
+
+def test_an_in_memory_source_is_left_as_it_was():
+    teacher = random_gqa_llama().to(torch.float64).train()
+    before = {name: tensor.clone() for name, tensor in teacher.state_dict().items()}
+    convert_llama_to_egmla(teacher, kv_lora_rank=16, rope_pairs_per_head=2, factorization="weight")
+    assert teacher.dtype == torch.float64 and teacher.training
+    assert all(torch.equal(before[name], tensor) for name, tensor in teacher.state_dict().items())
+
+
+def test_energy_allocation_differs_from_uniform_and_keeps_the_total(stories):
+    statistics = calibrate(stories["teacher"], stories["calibration"][:8])
+    energy = convert_llama_to_egmla(
+        stories["teacher"], kv_lora_rank=16, rope_pairs_per_head=2, statistics=statistics, rank_allocation="energy"
+    ).config.kv_lora_rank
+    assert sum(energy) == 16 * 5 and energy != [16] * 5
+
+
+def test_output_overlapping_the_source_is_refused_even_with_overwrite(tmp_path):
+    needs_shared(STORIES260K)
+    source = tmp_path / "source"
+    source.mkdir()
+    for path in STORIES260K.iterdir():
+        (source / path.name).write_bytes(path.read_bytes())
+    before = folder_digest(source)
+    for out in (source, source / "inside", tmp_path):
+        with pytest.raises(SystemExit, match="overlaps the input"):
+            main(["convert", str(source), str(out), "--kv-lora-rank", "8", "--overwrite"])
+    assert folder_digest(source) == before

@@ -43,9 +43,13 @@ def test_five_steps_lower_the_distillation_loss(pair, lora):
             return distillation_loss(out.logits, teacher(blocks).logits, 1.0) + 0.5 * out.loss
 
     before = objective(student)
+    tables_before = student.model.gate_embeddings[0].weight.detach().clone()
     result = finetune(student, teacher, blocks, settings)
     assert isinstance(result.model, EGMLAForCausalLM)  # LoRA merged back into a plain model
     assert objective(result.model) < before
+    # The gate learned: its zero-initialised up-projection moved, and so did the tables.
+    assert result.model.model.layers[0].self_attn.gate_embedding_proj.weight.abs().max() > 0
+    assert not torch.equal(result.model.model.gate_embeddings[0].weight, tables_before)
     assert [entry["step"] for entry in result.history] == [1, 2, 3, 4, 5]
 
 
@@ -147,3 +151,74 @@ def test_finetune_takes_documents_with_their_tokenizer():
     assert result.steps_done == 2
     with pytest.raises(ValueError, match="tokenizer"):
         finetune(student, teacher, documents, FinetuneSettings(steps=1))
+
+
+def test_resume_falls_back_to_the_previous_checkpoint(tmp_path):
+    """A run that died between the two renames of a checkpoint swap resumes from `last.previous`."""
+    teacher = random_gqa_llama()
+    blocks = torch.randint(3, 96, (16, 32), generator=torch.Generator().manual_seed(0))
+    student = convert_llama_to_egmla(teacher, kv_lora_rank=12, rope_pairs_per_head=2, calibration_blocks=blocks[:4])
+    settings = dict(steps=4, batch_size=4, eval_every=0, save_every=2, checkpoint_dir=tmp_path)
+    finetune(student, teacher, blocks, FinetuneSettings(**settings))
+    (tmp_path / "last").rename(tmp_path / "last.previous")
+    resumed = finetune(student, teacher, blocks, FinetuneSettings(**settings, resume=True))
+    assert resumed.steps_done == 4 and len(resumed.history) == 4
+    with pytest.raises(ValueError, match="steps must be positive"):
+        finetune(student, teacher, blocks, FinetuneSettings(steps=0))
+
+
+def test_finetune_cli_refuses_an_existing_output_and_resumes(tmp_path, capsys):
+    needs_shared(STORIES260K)
+    needs_shared(TINYSTORIES)
+    converted = tmp_path / "converted"
+    main(
+        [
+            "convert",
+            str(STORIES260K),
+            str(converted),
+            "--kv-cut",
+            "0.5",
+            "--rope-pairs",
+            "3",
+            "--calib-text",
+            str(TINYSTORIES),
+            "--block-size",
+            "64",
+            "--calib-blocks",
+            "8",
+            "--eval-blocks",
+            "4",
+        ]
+    )
+    out = tmp_path / "tuned"
+    args = [
+        "finetune",
+        str(converted),
+        "--teacher",
+        str(STORIES260K),
+        "--out",
+        str(out),
+        "--train-text",
+        str(TINYSTORIES),
+        "--block-size",
+        "64",
+        "--eval-blocks",
+        "4",
+        "--batch-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "2",
+    ]
+    main([*args, "--steps", "2"])
+    assert json.loads((out / "finetune_report.json").read_text())["steps_done"] == 2
+    with pytest.raises(SystemExit, match="exists"):
+        main([*args, "--steps", "4", "--resume"])
+    capsys.readouterr()
+    main([*args, "--steps", "4", "--resume", "--overwrite"])  # continues from the checkpoint of step 2
+    assert "at step 2" in capsys.readouterr().out
+    report = json.loads((out / "finetune_report.json").read_text())
+    assert report["steps_done"] == 4
+    with pytest.raises(SystemExit, match="overlaps the input"):
+        main([*args, "--steps", "2", "--out", str(converted), "--overwrite"])

@@ -12,6 +12,7 @@
    and the gate at the identity, so the fresh model equals its MLA approximation.
 """
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,8 @@ def split_gguf(source: str | Path) -> tuple[str, str | None]:
 def load_llama(source: str | Path | PreTrainedModel) -> LlamaForCausalLM:
     """A `LlamaForCausalLM` from an instance, a local folder, a Hub id or a GGUF file, in float32."""
     if isinstance(source, PreTrainedModel):
-        model = source
+        # Work on a copy when the dtype or mode would change: the caller's model is never modified.
+        model = source if source.dtype == torch.float32 and not source.training else copy.deepcopy(source)
     else:
         folder, gguf_file = split_gguf(source)
         config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
@@ -71,11 +73,15 @@ def load_llama(source: str | Path | PreTrainedModel) -> LlamaForCausalLM:
         raise ValueError("The source has MLP biases (mlp_bias=True); EG-MLA's SwiGLU MLP has none.")
     if config.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("Sources with partial_rotary_factor != 1 are not supported.")
+    if config.rope_parameters.get("rope_type", "default") == "longrope":
+        raise ValueError("Sources with longrope scaling are not supported (its frequencies depend on the length).")
     return model.to(torch.float32).eval()
 
 
 def load_tokenizer(source: str | Path | PreTrainedModel) -> PreTrainedTokenizerBase:
     name = source.config.name_or_path if isinstance(source, PreTrainedModel) else source
+    if not name:
+        raise ValueError("This in-memory model has no name_or_path to find its tokenizer by: pass token ids.")
     folder, gguf_file = split_gguf(name)
     return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
 
@@ -291,6 +297,18 @@ class ConversionPlan:
     target_values_per_token_per_layer: float
 
 
+def llama_rope_parameters(teacher: LlamaForCausalLM) -> dict:
+    """The source's rope parameters, in EG-MLA's (DeepSeek's) convention: Llama puts YaRN's mscale only into
+    cos/sin, while EG-MLA would also square `mscale_all_dim` into the softmax scale, so the attention factor is
+    given explicitly and the mscale keys are dropped."""
+    parameters = dict(teacher.config.rope_parameters)
+    if parameters.get("rope_type") == "yarn" and ("mscale" in parameters or "mscale_all_dim" in parameters):
+        parameters.pop("mscale", None)
+        parameters.pop("mscale_all_dim", None)
+        parameters["attention_factor"] = float(teacher.model.rotary_emb.attention_scaling)
+    return parameters
+
+
 def kv_lora_rank_for_cut(source_config, kv_cut: float, rope_pairs_per_head: int) -> int:
     """The latent width that, with the rope keys, caches (1 - kv_cut) of the source's K/V values per layer."""
     source_values = 2 * source_config.num_key_value_heads * source_config.head_dim
@@ -441,7 +459,7 @@ def convert_llama_to_egmla(
         max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.rms_norm_eps,
         tie_word_embeddings=config.tie_word_embeddings,
-        rope_parameters=dict(config.rope_parameters),
+        rope_parameters=llama_rope_parameters(teacher),
         rope_frequency_dim=head_dim,
         rope_frequency_indices=kept_pairs,
         attention_dropout=config.attention_dropout,

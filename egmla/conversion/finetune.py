@@ -66,9 +66,10 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     return F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean() * temperature**2
 
 
-def batch_indices(step: int, blocks: int, batch_size: int, seed: int) -> torch.Tensor:
-    """The rows of step `step`: a function of (seed, step) only, so a resumed run sees the same batches."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+def batch_indices(step: int, blocks: int, batch_size: int, seed: int, process: int = 0) -> torch.Tensor:
+    """The rows of step `step` on process `process`: a function of (seed, step, process) only, so a resumed run
+    sees the same batches and data-parallel processes see different ones."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + process)
     return torch.randint(0, blocks, (batch_size,), generator=generator)
 
 
@@ -87,17 +88,30 @@ def with_lora(model: EGMLAForCausalLM, settings: FinetuneSettings) -> PeftModel:
 
 
 def save_checkpoint(accelerator: Accelerator, folder: Path, step: int, history: list[dict]) -> None:
-    """accelerate state + progress, written beside the last checkpoint and swapped in by renames."""
+    """accelerate state + progress, written beside the last checkpoint and swapped in by renames (on the main
+    process; every process takes part in `save_state`)."""
     staging = folder.with_name(folder.name + ".saving")
-    shutil.rmtree(staging, ignore_errors=True)
-    accelerator.save_state(str(staging / STATE_FOLDER))
-    (staging / PROGRESS_FILE).write_text(json.dumps({"step": step, "history": history}))
     previous = folder.with_name(folder.name + ".previous")
-    shutil.rmtree(previous, ignore_errors=True)
-    if folder.exists():
-        folder.rename(previous)
-    staging.rename(folder)
-    shutil.rmtree(previous, ignore_errors=True)
+    if accelerator.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging / STATE_FOLDER))
+    if accelerator.is_main_process:
+        (staging / PROGRESS_FILE).write_text(json.dumps({"step": step, "history": history}))
+        shutil.rmtree(previous, ignore_errors=True)
+        if folder.exists():
+            folder.rename(previous)
+        staging.rename(folder)
+        shutil.rmtree(previous, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """`last`, or `last.previous` when a run died between the two renames of `save_checkpoint`."""
+    for candidate in (folder, folder.with_name(folder.name + ".previous")):
+        if (candidate / PROGRESS_FILE).exists():
+            return candidate
+    return None
 
 
 def finetune(
@@ -121,8 +135,11 @@ def finetune(
         raise ValueError("Nothing to train on: distill_weight and ce_weight are both 0.")
     if settings.resume and settings.checkpoint_dir is None:
         raise ValueError("resume=True needs a checkpoint_dir.")
+    if settings.steps <= 0:
+        raise ValueError(f"steps must be positive, got {settings.steps}.")
 
-    accelerator = Accelerator()
+    # One scheduler step per optimizer step, however many processes (accelerate would step it once per process).
+    accelerator = Accelerator(step_scheduler_with_optimizer=False)
     torch.manual_seed(settings.seed)
     if settings.attention_only and settings.lora:
         raise ValueError("attention_only and lora are exclusive: LoRA already chooses what it trains.")
@@ -145,11 +162,12 @@ def finetune(
 
     start_step, history = 0, []
     checkpoint = Path(settings.checkpoint_dir) / "last" if settings.checkpoint_dir else None
-    if settings.resume and checkpoint is not None and checkpoint.exists():
-        accelerator.load_state(str(checkpoint / STATE_FOLDER))
-        progress = json.loads((checkpoint / PROGRESS_FILE).read_text())
+    resume_from = latest_checkpoint(checkpoint) if settings.resume and checkpoint is not None else None
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from / STATE_FOLDER))
+        progress = json.loads((resume_from / PROGRESS_FILE).read_text())
         start_step, history = progress["step"], progress["history"]
-        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+        accelerator.print(f"resumed from {resume_from} at step {start_step}")
 
     started = time.time()
     stopped_early = False
@@ -163,7 +181,8 @@ def finetune(
     )
     step = start_step
     for step in bar:
-        batch = train_blocks[batch_indices(step, len(train_blocks), settings.batch_size, settings.seed)]
+        rows = batch_indices(step, len(train_blocks), settings.batch_size, settings.seed, accelerator.process_index)
+        batch = train_blocks[rows]
         batch = batch.to(accelerator.device)
         outputs = model(input_ids=batch, labels=batch if settings.ce_weight > 0 else None, use_cache=False)
         loss = torch.zeros((), device=accelerator.device)

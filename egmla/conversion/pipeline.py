@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from ..measure import kv_values_per_token
 from ..outputs import atomic_folder, check_output_folder
 from ..text import mean_loss, read_documents, sample_blocks, split_documents, token_blocks
-from .convert import calibrate, convert_llama_to_egmla, load_llama, load_tokenizer
+from .convert import calibrate, convert_llama_to_egmla, load_llama, load_tokenizer, split_gguf
 from .finetune import FinetuneSettings, finetune, settings_summary
 from .report import ppl_or_none, print_report, write_model_card
 
@@ -93,7 +93,7 @@ def run_conversion(
     sample_prompt: str | None = None,
 ) -> dict:
     """Convert (and optionally fine-tune), evaluate, report and save a Hub-ready folder atomically."""
-    check_output_folder(out, overwrite)  # before any long work
+    check_output_folder(out, overwrite, inputs=(split_gguf(source)[0],))  # before any long work
     started = time.time()
     teacher = load_llama(source)
     tokenizer = load_tokenizer(source)
@@ -156,7 +156,7 @@ def run_conversion(
         report["sample"] = tokenizer.decode(sample[0], skip_special_tokens=True)
     report["seconds"] = round(time.time() - started, 1)
 
-    with atomic_folder(out, overwrite) as staging:
+    with atomic_folder(out, overwrite, inputs=(split_gguf(source)[0],)) as staging:
         student.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         write_model_card(staging, report)
@@ -176,8 +176,8 @@ def run_finetune(
     overwrite: bool = False,
 ) -> dict:
     """Fine-tunes a converted folder against its source and saves the result atomically."""
-    if not settings.resume:
-        check_output_folder(out, overwrite)
+    inputs = (student_path, split_gguf(teacher_source)[0])
+    check_output_folder(out, overwrite, inputs)
     student = AutoModelForCausalLM.from_pretrained(student_path, dtype=torch.float32)
     teacher = load_llama(teacher_source)
     tokenizer = load_tokenizer(teacher_source)
@@ -195,7 +195,7 @@ def run_finetune(
         "stopped_early": result.stopped_early,
         "settings": settings_summary(settings),
     }
-    with atomic_folder(out, overwrite=True) as staging:
+    with atomic_folder(out, overwrite, inputs) as staging:
         result.model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / "finetune_report.json").write_text(json.dumps(summary, indent=2) + "\n")
