@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from egmla.cli import main
 from egmla.conversion import calibrate, convert_llama_to_egmla, load_llama, load_tokenizer
-from egmla.conversion.convert import LayerStatistics, allocate_ranks, factorize, fold_mean_rotation, mean_rotation
+from egmla.conversion.convert import allocate_ranks, factorize, rotation_variance
 from egmla.text import perplexity, read_documents, split_documents, token_blocks
 from tests.conftest import STORIES260K, TINYSTORIES, needs_shared
 
@@ -123,27 +123,6 @@ def test_allocate_ranks_takes_the_largest_energy_shares():
     peaked = factorize(torch.diag(torch.tensor([10.0, 1.0, 0.1, 0.01])), None, 0.0)
     assert allocate_ranks([flat, peaked], 2, "uniform") == [2, 2]
     assert allocate_ranks([flat, peaked], 2, "energy") == [3, 1]
-
-
-def test_mean_rotation_fold_is_exact_for_a_single_distance():
-    """With all attention at one distance d, a dropped pair's folded key gives exactly the rotated score."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    head_dim, distance = 8, 5
-    inv_freq = torch.tensor([1.0, 0.3, 0.05, 0.01])
-    weights = torch.zeros(1, 16)
-    weights[0, distance] = 1.0
-    statistics = LayerStatistics(torch.empty(0), torch.ones(1, 4), torch.ones(1, 4), weights, 1)
-    cos, sin = mean_rotation(statistics, inv_freq)
-    query, key = torch.randn(head_dim), torch.randn(head_dim)
-    folded = fold_mean_rotation(key[:, None], [0, 1, 2, 3], cos[0], sin[0])[:, 0]
-
-    def rotated(x, position):
-        angles = torch.cat([inv_freq, inv_freq]) * position
-        return apply_rotary_pos_emb(x[None, None, None], x[None, None, None], angles.cos()[None], angles.sin()[None])[0]
-
-    expected = (rotated(query, 12 + distance) * rotated(key, 12)).sum()
-    assert torch.allclose((query * folded).sum().double(), expected.double(), atol=1e-5)
 
 
 def test_refuses_what_it_cannot_convert(tmp_path):
@@ -266,8 +245,8 @@ def test_rotation_aware_pair_choice_beats_the_2_norm_on_stories260k(stories):
 )
 def test_partial_rope_is_exact_when_the_dropped_pairs_never_rotate(rope_parameters):
     """Pairs with zero frequency carry no position, so moving them to NoPE (and through the low-rank latent at
-    full rank) must keep the logits: this exercises the NoPE permutation, the per-group up-projection, the
-    mean-rotation fold and the YaRN attention factor."""
+    full rank) must keep the logits: this exercises the NoPE permutation, the per-group up-projection and the
+    YaRN attention factor."""
     teacher = random_gqa_llama(rope_parameters)
     with torch.no_grad():
         teacher.model.rotary_emb.inv_freq[[1, 3, 4, 6]] = 0.0
@@ -308,3 +287,8 @@ def test_output_overlapping_the_source_is_refused_even_with_overwrite(tmp_path):
         with pytest.raises(SystemExit, match="overlaps the input"):
             main(["convert", str(source), str(out), "--kv-lora-rank", "8", "--overwrite"])
     assert folder_digest(source) == before
+
+
+def test_rotation_variance_separates_turning_pairs_from_still_ones():
+    variance = rotation_variance(torch.tensor([1.0, 0.1, 1e-4, 0.0]), 256)
+    assert variance[0] > 0.99 and variance[1] > 0.9 and variance[2] < 1e-3 and variance[3] == 0

@@ -2,8 +2,9 @@
 
 1. Calibrate: run the source on calibration text and collect, per layer, the covariance of the attention inputs
    and the mean 2-norm of every rotary pair of the queries and keys.
-2. Partial RoPE (MHA2MLA): per KV head keep the `rope_pairs_per_head` pairs whose q.k contribution is largest;
-   they become that head's rope key (`rope_key_heads` = the source's KV heads), the other dims become NoPE.
+2. Partial RoPE (MHA2MLA): per KV head keep the `rope_pairs_per_head` pairs whose q.k contribution, weighted by
+   how much their rotation varies over the context, is largest; they become that head's rope key
+   (`rope_key_heads` = the source's KV heads), the other dims become NoPE.
 3. Low-rank: factorize the stacked NoPE key and value projections jointly into `W^{DKV}` (hidden -> latent) and
    `W^{UKV}` (latent -> per-head K/V): weight-only SVD, or activation-aware (whitened by the calibration
    covariance, as CARE), with an optional per-layer rank allocation by retained energy under the same budget.
@@ -98,7 +99,7 @@ class LayerStatistics:
     covariance: torch.Tensor  # [D, D] float64, E[x x^T] of the attention input
     query_pair_norms: torch.Tensor  # [Hq, hd/2] mean 2-norm of each rotary pair of every query head
     key_pair_norms: torch.Tensor  # [Hkv, hd/2]
-    distance_weights: torch.Tensor  # [Hkv, S] mean attention probability at query-key distance 0..S-1
+    context_length: int  # length of the calibration blocks: the query-key distances the pairs must serve
     tokens: int
 
 
@@ -108,26 +109,14 @@ def pair_norms(states: torch.Tensor, heads: int) -> torch.Tensor:
     return states.norm(dim=2).sum(dim=0)
 
 
-def attention_by_distance(probabilities: torch.Tensor, key_heads: int) -> torch.Tensor:
-    """probabilities [B, Hq, S, S] -> attention mass at distance d = query - key, summed over queries [Hkv, S]."""
-    batch, query_heads, length, _ = probabilities.shape
-    per_head = torch.stack(
-        [probabilities.diagonal(offset=-distance, dim1=-2, dim2=-1).sum(dim=(0, -1)) for distance in range(length)],
-        dim=-1,
-    )  # [Hq, S]
-    return per_head.view(key_heads, query_heads // key_heads, length).mean(dim=1)
-
-
 @torch.no_grad()
 def calibrate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int = 8) -> list[LayerStatistics]:
-    """Runs the source on token blocks [N, S] and collects per-layer statistics of the attention inputs and
-    of how far its attention reaches."""
+    """Runs the source on token blocks [N, S] and collects per-layer statistics of the attention inputs."""
     config = model.config
     hidden, layers = config.hidden_size, config.num_hidden_layers
     covariance = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in range(layers)]
     query_norms = [torch.zeros(config.num_attention_heads, config.head_dim // 2) for _ in range(layers)]
     key_norms = [torch.zeros(config.num_key_value_heads, config.head_dim // 2) for _ in range(layers)]
-    distances = [torch.zeros(config.num_key_value_heads, blocks.shape[1]) for _ in range(layers)]
     counts = [0] * layers
 
     def hook(layer_idx: int):
@@ -148,16 +137,11 @@ def calibrate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int = 8
     handles = [
         layer.self_attn.q_proj.register_forward_pre_hook(hook(index)) for index, layer in enumerate(model.model.layers)
     ]
-    attention_implementation = config._attn_implementation
-    model.set_attn_implementation("eager")  # the only backend that returns attention probabilities
     try:
         device = next(model.parameters()).device
         for start in tqdm(range(0, len(blocks), batch_size), desc="calibrating", unit="batch", leave=False):
-            out = model(blocks[start : start + batch_size].to(device), use_cache=False, output_attentions=True)
-            for layer_idx, probabilities in enumerate(out.attentions):
-                distances[layer_idx] += attention_by_distance(probabilities.float(), config.num_key_value_heads).cpu()
+            model(blocks[start : start + batch_size].to(device), use_cache=False)
     finally:
-        model.set_attn_implementation(attention_implementation)
         for handle in handles:
             handle.remove()
     return [
@@ -165,7 +149,7 @@ def calibrate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int = 8
             covariance=covariance[i] / counts[i],
             query_pair_norms=query_norms[i] / counts[i],
             key_pair_norms=key_norms[i] / counts[i],
-            distance_weights=distances[i] / counts[i],  # each query's probabilities sum to one
+            context_length=blocks.shape[1],
             tokens=counts[i],
         )
         for i in range(layers)
@@ -177,13 +161,11 @@ def calibrate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int = 8
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def mean_rotation(statistics: LayerStatistics, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E[cos], E[sin] of each pair's rotation angle theta_j * d over the distances d the source attends across
-    [Hkv, hd/2]: the rotation-free matrix closest to the pair's rotations, weighted as the attention is."""
-    distance = torch.arange(statistics.distance_weights.shape[-1], dtype=torch.float64)
-    angles = inv_freq.double()[:, None] * distance[None, :]  # [hd/2, S]
-    weights = statistics.distance_weights.double()[:, None, :]  # [Hkv, 1, S]
-    return (weights * angles.cos()).sum(-1), (weights * angles.sin()).sum(-1)
+def rotation_variance(inv_freq: torch.Tensor, context_length: int) -> torch.Tensor:
+    """Per rotary pair, 1 - |E[exp(i theta d)]|^2 over query-key distances d uniform in [0, context_length): how
+    much its rotation varies across the distances it must serve (about 0 for a pair that barely turns)."""
+    angles = inv_freq.double()[:, None] * torch.arange(context_length, dtype=torch.float64)[None, :]
+    return (1 - angles.cos().mean(-1).square() - angles.sin().mean(-1).square()).float()
 
 
 def select_rope_pairs(
@@ -191,34 +173,17 @@ def select_rope_pairs(
 ) -> list[list[int]]:
     """Per KV head, the `pairs_per_head` rotary pairs whose removal would cost most, in increasing index.
 
-    MHA2MLA ranks pairs by their q.k contribution (2-norms of the query and key pairs). A pair whose angle
-    barely changes over the distances the head attends across loses little when its rotation is replaced by its
-    mean, however large it is, so the contribution is weighted by the variance of the rotation,
-    E||R - E R||^2 / 2 = 1 - E[cos]^2 - E[sin]^2 (`selection="rotation"`; `"norm"` is MHA2MLA's criterion).
+    MHA2MLA ranks pairs by their q.k contribution (2-norms of the query and key pairs; `selection="norm"`). A pair
+    whose angle barely changes over the context loses little when it stops rotating, however large it is, so
+    `"rotation"` weights the contribution by the variance of the pair's rotation over the context.
     """
     key_heads = statistics.key_pair_norms.shape[0]
     group = statistics.query_pair_norms.shape[0] // key_heads
     query = statistics.query_pair_norms.view(key_heads, group, -1).sum(dim=1)  # [Hkv, hd/2]
-    cos, sin = mean_rotation(statistics, inv_freq)
     scores = query * statistics.key_pair_norms
     if selection == "rotation":
-        scores = scores * (1 - cos.square() - sin.square()).float()
+        scores = scores * rotation_variance(inv_freq, statistics.context_length)
     return [sorted(head.topk(pairs_per_head).indices.tolist()) for head in scores]
-
-
-def fold_mean_rotation(
-    key: torch.Tensor, dropped_pairs: list[int], cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
-    """Key rows of one head [hd, D] with each dropped pair j replaced by E[R(-theta_j d)] k_j, so that
-    q_j . k_j approximates the source's average rotated score instead of ignoring the rotation."""
-    half = key.shape[0] // 2
-    key = key.clone()
-    for pair in dropped_pairs:
-        first, second = key[pair].clone(), key[pair + half].clone()
-        c, s = cos[pair].item(), sin[pair].item()
-        key[pair] = c * first + s * second
-        key[pair + half] = -s * first + c * second
-    return key
 
 
 def rope_and_nope_dims(kept_pairs: list[int], head_dim: int) -> tuple[list[int], list[int]]:
@@ -399,8 +364,7 @@ def convert_llama_to_egmla(
 
     layers = teacher.model.layers
     inv_freq = teacher.model.rotary_emb.inv_freq.float().cpu()
-    uniform_distances = torch.full((key_heads, 512), 1 / 512)  # without calibration: every distance alike
-    kept_pairs, nope_dims, rope_dims, factorizations, keys = [], [], [], [], []
+    kept_pairs, nope_dims, rope_dims, factorizations = [], [], [], []
     for layer_idx, layer in enumerate(tqdm(layers, desc="factorizing", unit="layer", leave=False)):
         attention = layer.self_attn
         layer_statistics = (
@@ -410,27 +374,17 @@ def convert_llama_to_egmla(
                 covariance=torch.empty(0),
                 query_pair_norms=pair_norms(attention.q_proj.weight.T, query_heads),
                 key_pair_norms=pair_norms(attention.k_proj.weight.T, key_heads),
-                distance_weights=uniform_distances,
+                context_length=min(config.max_position_embeddings, 4096),
                 tokens=0,
             )
         )
         layer_pairs = select_rope_pairs(layer_statistics, inv_freq, pairs, pair_selection)
-        mean_cos, mean_sin = mean_rotation(layer_statistics, inv_freq)
         dims = [rope_and_nope_dims(head_pairs, head_dim) for head_pairs in layer_pairs]
         kept_pairs.append(layer_pairs)
         rope_dims.append([rope for rope, _ in dims])
         nope_dims.append([nope for _, nope in dims])
 
         key = attention.k_proj.weight.view(key_heads, head_dim, -1)
-        key = torch.stack(
-            [
-                fold_mean_rotation(
-                    key[g], [p for p in range(head_dim // 2) if p not in layer_pairs[g]], mean_cos[g], mean_sin[g]
-                )
-                for g in range(key_heads)
-            ]
-        )
-        keys.append(key)
         value = attention.v_proj.weight.view(key_heads, head_dim, -1)
         stacked = torch.cat(
             [torch.cat([key[g, nope_dims[-1][g]], value[g]]) for g in range(key_heads)]
@@ -478,7 +432,7 @@ def convert_llama_to_egmla(
         # The source scales whole heads by the rope's attention factor (YaRN); NoPE dims must keep it.
         for h in range(query_heads):
             query[h, nope_dims[layer_idx][h // group]] *= teacher.model.rotary_emb.attention_scaling**2
-        key = keys[layer_idx]
+        key = attention.k_proj.weight.view(key_heads, head_dim, -1)
         down, up = factorizations[layer_idx].truncate(ranks[layer_idx])
         up = up.view(key_heads, nope_dim + head_dim, -1)  # per KV head: [NoPE key ; value] rows
         state[prefix + "q_proj.weight"] = torch.cat(
