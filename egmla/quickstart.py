@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from .configuration_egmla import EGMLAConfig
+from .conversion.finetune import FinetuneSettings, finetune
 from .measure import cache_bytes_per_token
 from .modeling_egmla import EGMLAForCausalLM
 from .outputs import atomic_folder, check_output_folder
@@ -66,28 +65,23 @@ def small_config(tokenizer: PreTrainedTokenizerBase, **overrides) -> EGMLAConfig
 
 
 def train(model: EGMLAForCausalLM, blocks: torch.Tensor, settings: QuickstartSettings) -> list[float]:
-    accelerator = Accelerator()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / settings.steps))
+    """Next-token training from scratch: the recovery fine-tuning loop with cross-entropy only."""
+    result = finetune(
+        model,
+        None,
+        blocks,
+        FinetuneSettings(
+            steps=settings.steps,
+            batch_size=settings.batch_size,
+            learning_rate=settings.learning_rate,
+            warmup_steps=20,
+            distill_weight=0.0,
+            ce_weight=1.0,
+            eval_every=0,
+            seed=settings.seed,
+        ),
     )
-    model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
-    generator = torch.Generator().manual_seed(settings.seed)
-    losses = []
-    model.train()
-    progress = tqdm(range(settings.steps), desc="training EG-MLA", unit="step")
-    for _ in progress:
-        index = torch.randint(0, len(blocks), (settings.batch_size,), generator=generator)
-        batch = blocks[index].to(accelerator.device)
-        loss = model(batch, labels=batch).loss
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        progress.set_postfix(loss=f"{loss.item():.3f}")
-    return losses
+    return [entry["loss"] for entry in result.history]
 
 
 def run_quickstart(settings: QuickstartSettings) -> dict:
