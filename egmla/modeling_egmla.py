@@ -183,11 +183,6 @@ class EGMLALatentCacheLayer(DynamicLayer):
         if self.token_ids is not None:
             self.token_ids = self.token_ids[indices, ...]
 
-    def nbytes(self) -> int:
-        """Bytes of every tensor this layer holds."""
-        tensors = (self.keys, self.values, self.token_ids)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
 
 class EGMLAStaticCacheLayer(StaticLayer):
     """Registered under our layer type so that `cache_implementation="static"` fails with a clear message
