@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("source", nargs="?", default=None)
     parser.add_argument("--kv-cut", type=float, default=0.6875)
     parser.add_argument("--rope-pairs", type=int, default=None)
+    parser.add_argument("--rope-keys", choices=("shared", "per_head"), default="shared")
     parser.add_argument("--text", type=Path, default=None, help="fitting text (default: sampled from the source)")
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--calib-blocks", type=int, default=64)
@@ -58,6 +59,7 @@ def main() -> None:
             teacher,
             kv_cut=args.kv_cut,
             rope_pairs_per_head=args.rope_pairs,
+            rope_keys=args.rope_keys,
             factorization=factorization,
             statistics=statistics,
         )

@@ -41,7 +41,15 @@ def add_convert_options(parser: argparse.ArgumentParser, default_cut: float | No
         default=default_cut,
         help="fraction of the source's K/V values per token to remove (e.g. 0.6875)",
     )
-    parser.add_argument("--rope-pairs", type=int, default=None, help="rotary pairs kept per KV head")
+    parser.add_argument(
+        "--rope-pairs", type=int, default=None, help="rotary pairs in each rope key (the shared one, or per KV head)"
+    )
+    parser.add_argument(
+        "--rope-keys",
+        choices=["shared", "per_head"],
+        default="shared",
+        help="one rope key of principal components shared by all heads (TransMLA), or one per KV head (MHA2MLA)",
+    )
     parser.add_argument("--gate-dim", type=int, default=32, help="gate table width (0 = plain MLA)")
     parser.add_argument("--gate-position", choices=["kv", "latent"], default="kv")
     parser.add_argument("--factorization", choices=["activation", "weight"], default="activation")
@@ -153,6 +161,7 @@ def convert_settings(args: argparse.Namespace):
         kv_lora_rank=args.kv_lora_rank,
         kv_cut=None if args.kv_lora_rank is not None else args.kv_cut,
         rope_pairs_per_head=args.rope_pairs,
+        rope_keys=args.rope_keys,
         gate_embedding_dim=args.gate_dim,
         gate_position=args.gate_position,
         factorization=args.factorization,

@@ -72,7 +72,8 @@ class EGMLAConfig(PreTrainedConfig):
             retrofitted from Llama keeps the source's `head_dim` here, so its kept pairs rotate exactly as before.
         rope_frequency_indices: per layer, per rope key head, which `qk_rope_head_dim // 2` of the
             `rope_frequency_dim // 2` frequencies its pairs use ([layer][head][pair]; None = the first ones, in
-            order). Query heads use the frequencies of their group's rope key.
+            order; a frequency may serve several pairs, e.g. a rope key shared by heads). Query heads use the
+            frequencies of their group's rope key.
         max_position_embeddings: context length the rotary embedding is built for.
         layer_types: cache layer type of every layer; always `"egmla_latent_attention"`.
     """
@@ -229,12 +230,15 @@ class EGMLAConfig(PreTrainedConfig):
 
     def validate_rope_frequencies(self):
         frequency_dim = self.rope_frequency_dim or self.qk_rope_head_dim
-        if frequency_dim % 2 or frequency_dim < self.qk_rope_head_dim:
-            raise ValueError(
-                f"`rope_frequency_dim` must be even and >= qk_rope_head_dim ({self.qk_rope_head_dim}), "
-                f"got {frequency_dim}."
-            )
+        if frequency_dim % 2:
+            raise ValueError(f"`rope_frequency_dim` must be even, got {frequency_dim}.")
         if self.rope_frequency_indices is None:
+            # Without indices the rope pairs take the first frequencies, so there must be enough of them.
+            if frequency_dim < self.qk_rope_head_dim:
+                raise ValueError(
+                    f"`rope_frequency_dim` ({frequency_dim}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim}) "
+                    "unless `rope_frequency_indices` says which frequency each pair uses."
+                )
             return
         indices = self.rope_frequency_indices
         pairs = self.qk_rope_head_dim // 2

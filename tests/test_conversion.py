@@ -49,12 +49,14 @@ def stories():
     }
 
 
-def test_full_rank_all_pairs_reproduces_stories260k(stories):
+@pytest.mark.parametrize(("rope_keys", "all_pairs"), [("per_head", 4), ("shared", 4 * 4)])
+def test_full_rank_all_pairs_reproduces_stories260k(stories, rope_keys, all_pairs):
     teacher = stories["teacher"]
     student = convert_llama_to_egmla(
         teacher,
         kv_lora_rank=32,
-        rope_pairs_per_head=4,
+        rope_pairs_per_head=all_pairs,
+        rope_keys=rope_keys,
         calibration_blocks=stories["calibration"],
         gate_embedding_dim=16,
     )
@@ -63,7 +65,7 @@ def test_full_rank_all_pairs_reproduces_stories260k(stories):
         assert (student(input_ids).logits - teacher(input_ids).logits).abs().max() <= 1e-4
     # Partial RoPE removes positional information: with fewer pairs the model is no longer exact.
     partial = convert_llama_to_egmla(
-        teacher, kv_lora_rank=40, rope_pairs_per_head=3, calibration_blocks=stories["calibration"]
+        teacher, kv_lora_rank=40, rope_pairs_per_head=3, rope_keys=rope_keys, calibration_blocks=stories["calibration"]
     )
     with torch.no_grad():
         assert (partial(input_ids).logits - teacher(input_ids).logits).abs().max() > 1e-2
@@ -85,17 +87,30 @@ def test_full_rank_all_pairs_reproduces_stories260k(stories):
     ],
     ids=lambda params: params["rope_type"],
 )
-def test_full_rank_reproduces_a_random_gqa_llama(rope_parameters):
+@pytest.mark.parametrize("rope_keys", ["per_head", "shared"])
+def test_full_rank_reproduces_a_random_gqa_llama(rope_parameters, rope_keys):
     teacher = random_gqa_llama(rope_parameters)
     calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
     # GQA: 8 query heads share 2 KV heads; the up-projection emits K/V for every query head.
+    all_pairs = 8 if rope_keys == "per_head" else 2 * 8
     student = convert_llama_to_egmla(
-        teacher, kv_lora_rank=32, rope_pairs_per_head=8, calibration_blocks=calibration, gate_embedding_dim=8
+        teacher,
+        kv_lora_rank=32,
+        rope_pairs_per_head=all_pairs,
+        rope_keys=rope_keys,
+        calibration_blocks=calibration,
+        gate_embedding_dim=8,
     )
-    assert student.config.rope_key_heads == 2 and student.config.num_attention_heads == 8
+    assert student.config.num_attention_heads == 8
     assert student.config.rope_parameters == teacher.config.rope_parameters
-    assert student.model.layers[0].self_attn.kv_b_proj.out_features == 8 * (0 + 16)
-    assert student.model.layers[0].self_attn.scaling == pytest.approx(16**-0.5)  # the source's 1/sqrt(head_dim)
+    if rope_keys == "per_head":
+        assert student.config.rope_key_heads == 2
+        assert student.model.layers[0].self_attn.kv_b_proj.out_features == 8 * (0 + 16)
+        assert student.model.layers[0].self_attn.scaling == pytest.approx(16**-0.5)  # the source's 1/sqrt(head_dim)
+    else:
+        # One shared rope key holding every (frequency, principal component) pair; each head's full key is NoPE.
+        assert student.config.rope_key_heads == 1 and student.config.qk_rope_head_dim == 32
+        assert student.model.layers[0].self_attn.kv_b_proj.out_features == 8 * (16 + 16)
     input_ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(1))  # past the original 32
     with torch.no_grad():
         assert (student(input_ids).logits - teacher(input_ids).logits).abs().max() <= 1e-4
@@ -137,9 +152,17 @@ def test_refuses_what_it_cannot_convert(tmp_path):
         load_llama(random_gqa_llama(attention_bias=True))
     teacher = random_gqa_llama()
     with pytest.raises(ValueError, match=r"rank must lie in \[1, 56\]"):
-        convert_llama_to_egmla(teacher, kv_lora_rank=57, rope_pairs_per_head=2, factorization="weight")
-    with pytest.raises(ValueError, match="rope_pairs_per_head"):
-        convert_llama_to_egmla(teacher, kv_lora_rank=8, rope_pairs_per_head=9, factorization="weight")
+        convert_llama_to_egmla(
+            teacher, kv_lora_rank=57, rope_pairs_per_head=2, rope_keys="per_head", factorization="weight"
+        )
+    with pytest.raises(ValueError, match=r"rope_pairs_per_head must lie in \[1, 8\]"):
+        convert_llama_to_egmla(
+            teacher, kv_lora_rank=8, rope_pairs_per_head=9, rope_keys="per_head", factorization="weight"
+        )
+    with pytest.raises(ValueError, match=r"rope_pairs_per_head must lie in \[1, 16\]"):
+        convert_llama_to_egmla(teacher, kv_lora_rank=8, rope_pairs_per_head=17, factorization="weight")
+    with pytest.raises(ValueError, match="rope_keys must be one of"):
+        convert_llama_to_egmla(teacher, kv_lora_rank=8, rope_keys="some", factorization="weight")
     with pytest.raises(ValueError, match="cut leaves"):
         convert_llama_to_egmla(teacher, kv_cut=0.9, rope_pairs_per_head=4, factorization="weight")
     with pytest.raises(ValueError, match="calibration_blocks"):
@@ -198,7 +221,7 @@ def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_so
 
     main(args)
     report = json.loads((out / "conversion_report.json").read_text())
-    assert report["kv"]["source"] == 2 * 2 * 16 and report["kv"]["converted"] == 16 + 2 * 4
+    assert report["kv"]["source"] == 2 * 2 * 16 and report["kv"]["converted"] == 16 + 2 * 2  # one shared rope key
     assert {"README.md", "modeling_egmla.py", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     with pytest.raises(SystemExit, match="exists"):
         main(args)
@@ -209,7 +232,8 @@ def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_so
     assert folder_digest(source) == before  # the source is never written
 
 
-def test_rotation_aware_pair_choice_beats_the_2_norm_on_stories260k(stories):
+@pytest.mark.parametrize("rope_keys", ["per_head", "shared"])
+def test_rotation_aware_pair_choice_beats_the_2_norm_on_stories260k(stories, rope_keys):
     """With the latent at full rank only the RoPE pairs differ: keeping pairs that barely rotate (2-norm) costs
     more than keeping those whose rotation varies over the distances attended (ours)."""
     teacher, held_out = stories["teacher"], stories["held_out"][:16]
@@ -217,7 +241,12 @@ def test_rotation_aware_pair_choice_beats_the_2_norm_on_stories260k(stories):
     results = {}
     for selection in ("rotation", "norm"):
         student = convert_llama_to_egmla(
-            teacher, kv_lora_rank=40, rope_pairs_per_head=3, statistics=statistics, pair_selection=selection
+            teacher,
+            kv_lora_rank=40,
+            rope_pairs_per_head=3,
+            rope_keys=rope_keys,
+            statistics=statistics,
+            pair_selection=selection,
         )
         results[selection] = perplexity(student, held_out)
     assert results["rotation"] < results["norm"]
@@ -225,6 +254,21 @@ def test_rotation_aware_pair_choice_beats_the_2_norm_on_stories260k(stories):
         convert_llama_to_egmla(
             teacher, kv_lora_rank=40, rope_pairs_per_head=3, statistics=statistics, pair_selection="random"
         )
+
+
+def test_shared_rope_key_beats_per_head_keys_at_the_same_budget_on_stories260k(stories):
+    """At a 50% cut, one shared rope key of 3 principal pairs (6 values) leaves a 26-wide latent; three pairs per
+    KV head (24 values) leave 8: the shared key must give the lower zero-shot perplexity."""
+    teacher, held_out = stories["teacher"], stories["held_out"]
+    statistics = calibrate(teacher, stories["calibration"])
+    results = {}
+    for rope_keys in ("shared", "per_head"):
+        student = convert_llama_to_egmla(
+            teacher, kv_cut=0.5, rope_pairs_per_head=3, rope_keys=rope_keys, statistics=statistics
+        )
+        assert student.config.kv_cache_values_per_token() / student.config.num_hidden_layers == 32
+        results[rope_keys] = perplexity(student, held_out)
+    assert results["shared"] < results["per_head"]
 
 
 @pytest.mark.parametrize(
@@ -243,7 +287,8 @@ def test_rotation_aware_pair_choice_beats_the_2_norm_on_stories260k(stories):
     ],
     ids=["default", "yarn", "yarn-mscale"],
 )
-def test_partial_rope_is_exact_when_the_dropped_pairs_never_rotate(rope_parameters):
+@pytest.mark.parametrize("rope_keys", ["per_head", "shared"])
+def test_partial_rope_is_exact_when_the_dropped_pairs_never_rotate(rope_parameters, rope_keys):
     """Pairs with zero frequency carry no position, so moving them to NoPE (and through the low-rank latent at
     full rank) must keep the logits: this exercises the NoPE permutation, the per-group up-projection and the
     YaRN attention factor."""
@@ -252,9 +297,15 @@ def test_partial_rope_is_exact_when_the_dropped_pairs_never_rotate(rope_paramete
         teacher.model.rotary_emb.inv_freq[[1, 3, 4, 6]] = 0.0
     calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
     student = convert_llama_to_egmla(
-        teacher, kv_lora_rank=48, rope_pairs_per_head=4, calibration_blocks=calibration, gate_embedding_dim=8
+        teacher,
+        kv_lora_rank=48,
+        rope_pairs_per_head=4 if rope_keys == "per_head" else 2 * 4,
+        rope_keys=rope_keys,
+        calibration_blocks=calibration,
+        gate_embedding_dim=8,
     )
-    assert student.config.rope_frequency_indices[0] == [[0, 2, 5, 7], [0, 2, 5, 7]]
+    turning = [[0, 2, 5, 7], [0, 2, 5, 7]] if rope_keys == "per_head" else [[0, 0, 2, 2, 5, 5, 7, 7]]
+    assert student.config.rope_frequency_indices[0] == turning
     input_ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (student(input_ids).logits - teacher(input_ids).logits).abs().max() <= 1e-4

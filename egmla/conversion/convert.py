@@ -2,12 +2,14 @@
 
 1. Calibrate: run the source on calibration text and collect, per layer, the covariance of the attention inputs
    and the mean 2-norm of every rotary pair of the queries and keys.
-2. Partial RoPE (MHA2MLA): per KV head keep the `rope_pairs_per_head` pairs whose q.k contribution, weighted by
-   how much their rotation varies over the context, is largest; they become that head's rope key
-   (`rope_key_heads` = the source's KV heads), the other dims become NoPE.
+2. Partial RoPE: either one rope key shared by all heads (default; TransMLA's RoRoPE: per frequency, the principal
+   components of the KV heads' keys, which RoPE rotates alike, the strongest become the rope key and the rest of
+   every key becomes NoPE), or MHA2MLA's per-KV-head rope keys (each head keeps its `rope_pairs_per_head` pairs
+   whose q.k contribution, weighted by how much their rotation varies over the context, is largest).
 3. Low-rank: factorize the stacked NoPE key and value projections jointly into `W^{DKV}` (hidden -> latent) and
    `W^{UKV}` (latent -> per-head K/V): weight-only SVD, or activation-aware (whitened by the calibration
-   covariance, as CARE), with an optional per-layer rank allocation by retained energy under the same budget.
+   covariance, as CARE, with rows weighted by where their errors reach the output: keys by the query covariance,
+   values by the output projection), with an optional per-layer rank allocation by retained energy.
 4. Assemble the EG-MLA model: the query rows permuted to [nope ; rope], the up-projection repeated for every
    query head of a group, everything else (MLP, norms, embeddings, RoPE base and scaling, attention scale) copied,
    and the gate at the identity, so the fresh model equals its MLA approximation.
@@ -28,6 +30,7 @@ from ..text import token_blocks
 FACTORIZATIONS = ("activation", "weight")
 PAIR_SELECTIONS = ("rotation", "norm")
 RANK_ALLOCATIONS = ("uniform", "energy")
+ROPE_KEYS = ("shared", "per_head")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -157,7 +160,7 @@ def calibrate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int = 8
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Partial RoPE and low-rank factorization
+# Partial RoPE: which parts of the keys stay rotary
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -195,24 +198,159 @@ def rope_and_nope_dims(kept_pairs: list[int], head_dim: int) -> tuple[list[int],
     return rope, nope
 
 
+@dataclass
+class RopeSplit:
+    """One layer's query and key projections split into the cached rope part and the NoPE part the latent
+    rebuilds, so that per query head: nope_query . nope_key + rope_query . rope_key = the source's q . k."""
+
+    frequencies: list[list[int]]  # [rope key head][pair]: the source frequency each rope pair turns at
+    rope_key: torch.Tensor  # [Hr * dr, D] float64, per rope key head its half-split rows
+    rope_query: torch.Tensor  # [Hq, dr, D]
+    nope_key: torch.Tensor  # [Hkv, dn, D]
+    nope_query: torch.Tensor  # [Hq, dn, D]
+
+
+def split_per_head(query: torch.Tensor, key: torch.Tensor, kept_pairs: list[list[int]]) -> RopeSplit:
+    """MHA2MLA's partial RoPE: query [Hq, hd, D], key [Hkv, hd, D]; KV head g keeps the pairs kept_pairs[g] as its
+    own rope key, its other dims become NoPE."""
+    key_heads, head_dim = key.shape[0], key.shape[1]
+    group = query.shape[0] // key_heads
+    dims = [rope_and_nope_dims(pairs, head_dim) for pairs in kept_pairs]
+    return RopeSplit(
+        frequencies=kept_pairs,
+        rope_key=torch.cat([key[g, dims[g][0]] for g in range(key_heads)]),
+        rope_query=torch.stack([query[h, dims[h // group][0]] for h in range(len(query))]),
+        nope_key=torch.stack([key[g, dims[g][1]] for g in range(key_heads)]),
+        nope_query=torch.stack([query[h, dims[h // group][1]] for h in range(len(query))]),
+    )
+
+
+def as_complex(rows: torch.Tensor) -> torch.Tensor:
+    """[heads, hd, D] half-split rows -> [heads, hd/2, D] complex: pair j is dims j (real) and j + hd/2 (imag),
+    so RoPE multiplies pair j by exp(i theta_j t) and a pair's q.k is Re(q conj(k))."""
+    half = rows.shape[1] // 2
+    return torch.complex(rows[:, :half], rows[:, half:])
+
+
+def as_half_split(pairs: torch.Tensor) -> torch.Tensor:
+    """[..., n, D] complex -> [..., 2n, D] real, half-split."""
+    return torch.cat([pairs.real, pairs.imag], dim=-2)
+
+
+def split_shared(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    covariance: torch.Tensor,
+    inv_freq: torch.Tensor,
+    context_length: int,
+    pairs: int,
+    selection: str = "rotation",
+) -> RopeSplit:
+    """TransMLA's RoRoPE: one rope key shared by every head. At one frequency every KV head's pair turns by the same
+    angle, so RoPE commutes with any complex unitary mixing of the heads there: per frequency, the principal
+    components of the KV heads' keys (complex PCA under the calibration covariance) are rotated out exactly; the
+    `pairs` (frequency, component) pairs of largest energy, times their rotation variance for `"rotation"`, become
+    the shared rope key, and what remains of every head's key becomes NoPE. Each query head gets rope rows for the
+    kept components (its pair times its KV head's mixing coefficient), and keeps its full query as NoPE rows."""
+    key_heads, head_dim = key.shape[0], key.shape[1]
+    group = query.shape[0] // key_heads
+    keys, queries = as_complex(key), as_complex(query)  # [Hkv, hd/2, D], [Hq, hd/2, D]
+    covariance = covariance.to(keys.dtype)
+    mixings, candidates = [], []
+    turning = rotation_variance(inv_freq, context_length).double()
+    for frequency in range(head_dim // 2):
+        rows = keys[:, frequency]  # [Hkv, D]
+        energy, vectors = torch.linalg.eigh(rows @ covariance @ rows.conj().T)  # E[k k^H], ascending
+        mixing = vectors.flip(1).conj().T  # [components, Hkv]: component c = sum_g mixing[c, g] k_g
+        mixings.append(mixing)
+        for component, value in enumerate(energy.flip(0).clamp(min=0).sqrt()):
+            score = value * (turning[frequency] if selection == "rotation" else 1.0)
+            candidates.append((score.item(), frequency, component))
+    kept = sorted((frequency, component) for _, frequency, component in sorted(candidates, reverse=True)[:pairs])
+
+    rope_key = torch.stack([mixings[f][c] @ keys[:, f] for f, c in kept])  # [N, D] complex
+    rope_query = torch.stack(
+        [torch.stack([queries[h, f] * mixings[f][c, h // group] for f, c in kept]) for h in range(len(query))]
+    )  # [Hq, N, D]: Re(q_f conj(k_g,f)) = sum_c Re(q_f mixing[c, g] conj(component_c))
+    remainder = []
+    for frequency in range(head_dim // 2):
+        dropped = torch.ones(key_heads, dtype=keys.dtype)
+        dropped[[c for f, c in kept if f == frequency]] = 0
+        mixing = mixings[frequency]
+        remainder.append(mixing.conj().T @ (dropped[:, None] * (mixing @ keys[:, frequency])))
+    return RopeSplit(
+        frequencies=[[f for f, _ in kept]],
+        rope_key=as_half_split(rope_key),
+        rope_query=as_half_split(rope_query),
+        nope_key=as_half_split(torch.stack(remainder, dim=1)),  # [Hkv, hd, D]
+        nope_query=query,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Low-rank factorization of the NoPE keys and the values
+# ----------------------------------------------------------------------------------------------------------------
+
+
 def whitening(covariance: torch.Tensor, damping: float) -> torch.Tensor:
     """Lower-triangular S with S S^T = C + damping * mean(diag C) * I (float64)."""
     damped = covariance + damping * covariance.diagonal().mean() * torch.eye(len(covariance), dtype=covariance.dtype)
     return torch.linalg.cholesky(damped)
 
 
+def psd_sqrt(matrix: torch.Tensor) -> torch.Tensor:
+    """Symmetric square root of a positive semi-definite matrix, its tiny eigenvalues floored so it inverts."""
+    values, vectors = torch.linalg.eigh(matrix)
+    values = values.clamp(min=1e-8 * values.max().clamp(min=1e-30))
+    return vectors @ torch.diag(values.sqrt()) @ vectors.T
+
+
+def output_weights(
+    split: RopeSplit,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    covariance: torch.Tensor,
+    key_value_balance: float,
+) -> torch.Tensor:
+    """Row weights [rows, rows] for the stacked [NoPE key ; value] rows of every KV head, so that the factorization
+    spends its rank where errors reach the output: a key error by the query covariance (E|q . dk|^2), a value
+    error by the output projection of its heads (|O_h dv|^2). A logit error moves a head's output by about the
+    spread of its values in the output space times the softmax scale, so the key block is scaled by that,
+    times `key_value_balance`."""
+    key_heads, head_dim = value.shape[0], value.shape[1]
+    group = split.nope_query.shape[0] // key_heads
+    blocks = []
+    for g in range(key_heads):
+        heads = range(g * group, (g + 1) * group)
+        projections = [output[:, h * head_dim : (h + 1) * head_dim] for h in heads]  # O_h [D, hd]
+        value_weight = psd_sqrt(sum(o.T @ o for o in projections))
+        spread = sum(torch.trace(o @ value[g] @ covariance @ value[g].T @ o.T) for o in projections) / group
+        if split.nope_key.shape[1]:
+            query_covariance = sum(split.nope_query[h] @ covariance @ split.nope_query[h].T for h in heads)
+            scale = key_value_balance * head_dim**-0.5 * spread.sqrt()
+            blocks.append(torch.block_diag(scale * psd_sqrt(query_covariance), value_weight))
+        else:
+            blocks.append(value_weight)
+    return torch.block_diag(*blocks)
+
+
 @dataclass
 class Factorization:
-    """W ~ up @ down, from an SVD whose singular values `spectrum` (of W, or of W S when whitened) are kept."""
+    """R W ~ (R up) @ down from an SVD whose singular values `spectrum` (of R W, or of R W S when whitened) are
+    kept; R are optional row weights, undone when truncating."""
 
     left: torch.Tensor  # U [rows, k]
     spectrum: torch.Tensor  # sigma [k]
     right: torch.Tensor  # V^T [k, D] (already un-whitened)
+    row_weights: torch.Tensor | None = None  # R [rows, rows]
 
     def truncate(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(down [rank, D], up [rows, rank]); sigma split evenly between the two."""
         root = self.spectrum[:rank].sqrt()
-        return root[:, None] * self.right[:rank], self.left[:, :rank] * root[None, :]
+        up = self.left[:, :rank] * root[None, :]
+        if self.row_weights is not None:
+            up = torch.linalg.solve(self.row_weights, up)
+        return root[:, None] * self.right[:rank], up
 
     def energy(self) -> torch.Tensor:
         """Fraction of the total squared spectrum carried by each direction, [k]."""
@@ -220,17 +358,23 @@ class Factorization:
         return squared / squared.sum()
 
 
-def factorize(weight: torch.Tensor, covariance: torch.Tensor | None, damping: float) -> Factorization:
-    """SVD of weight [rows, D]; with a covariance, of W S (activation-aware), then un-whitened by S^{-1}."""
-    weight = weight.double()
+def factorize(
+    weight: torch.Tensor,
+    covariance: torch.Tensor | None,
+    damping: float,
+    row_weights: torch.Tensor | None = None,
+) -> Factorization:
+    """SVD of weight [rows, D]; with a covariance, of W S (activation-aware), then un-whitened by S^{-1}; with row
+    weights R, of R W (S)."""
+    weighted = weight.double() if row_weights is None else row_weights.double() @ weight.double()
     if covariance is None:
-        left, spectrum, right = torch.linalg.svd(weight, full_matrices=False)
-        return Factorization(left, spectrum, right)
+        left, spectrum, right = torch.linalg.svd(weighted, full_matrices=False)
+        return Factorization(left, spectrum, right, row_weights)
     root = whitening(covariance, damping)
-    left, spectrum, right = torch.linalg.svd(weight @ root, full_matrices=False)
+    left, spectrum, right = torch.linalg.svd(weighted @ root, full_matrices=False)
     # right @ S^{-1}: solve S^T X^T = right^T, S lower-triangular.
     right = torch.linalg.solve_triangular(root.T, right.T, upper=True).T
-    return Factorization(left, spectrum, right)
+    return Factorization(left, spectrum, right, row_weights)
 
 
 def allocate_ranks(factorizations: list[Factorization], rank: int, allocation: str) -> list[int]:
@@ -257,6 +401,7 @@ class ConversionPlan:
     """The settings resolved against the source."""
 
     kv_lora_rank: int | list[int]
+    rope_keys: str
     rope_pairs_per_head: int
     source_values_per_token_per_layer: int
     target_values_per_token_per_layer: float
@@ -274,18 +419,29 @@ def llama_rope_parameters(teacher: LlamaForCausalLM) -> dict:
     return parameters
 
 
-def kv_lora_rank_for_cut(source_config, kv_cut: float, rope_pairs_per_head: int) -> int:
-    """The latent width that, with the rope keys, caches (1 - kv_cut) of the source's K/V values per layer."""
+def rope_values_per_token(source_config, rope_keys: str, rope_pairs_per_head: int) -> int:
+    """Values per token per layer the rope keys cache: one key per KV head, or one shared key."""
+    rope_key_heads = source_config.num_key_value_heads if rope_keys == "per_head" else 1
+    return rope_key_heads * 2 * rope_pairs_per_head
+
+
+def kv_lora_rank_for_cut(source_config, kv_cut: float, rope_values: int) -> int:
+    """The latent width that, with `rope_values` rope-key values, caches (1 - kv_cut) of the source's K/V values
+    per token per layer."""
     source_values = 2 * source_config.num_key_value_heads * source_config.head_dim
-    rope_values = source_config.num_key_value_heads * 2 * rope_pairs_per_head
     rank = round(source_values * (1 - kv_cut)) - rope_values
     if rank <= 0:
         raise ValueError(
             f"A {kv_cut:.2%} cut leaves {round(source_values * (1 - kv_cut))} values per token per layer, no more "
-            f"than the {rope_values} rope values of {rope_pairs_per_head} pairs per KV head: lower --rope-pairs "
-            "or the cut."
+            f"than the {rope_values} values of the rope keys: lower --rope-pairs or the cut."
         )
     return rank
+
+
+def default_rope_pairs(source_config, rope_keys: str) -> int:
+    """MHA2MLA's default for per-head keys (head_dim / 16 pairs, at least 1); a shared key takes twice that."""
+    pairs = max(1, source_config.head_dim // 16)
+    return pairs if rope_keys == "per_head" else 2 * pairs
 
 
 def convert_llama_to_egmla(
@@ -294,6 +450,7 @@ def convert_llama_to_egmla(
     kv_lora_rank: int | None = None,
     kv_cut: float | None = None,
     rope_pairs_per_head: int | None = None,
+    rope_keys: str = "shared",
     gate_embedding_dim: int = 0,
     gate_position: str = "kv",
     factorization: str = "activation",
@@ -301,6 +458,7 @@ def convert_llama_to_egmla(
     calibration_texts: list[str] | None = None,
     rank_allocation: str = "uniform",
     damping: float = 1e-2,
+    key_value_balance: float = 0.5,
     statistics: list[LayerStatistics] | None = None,
     pair_selection: str = "rotation",
 ) -> EGMLAForCausalLM:
@@ -310,24 +468,34 @@ def convert_llama_to_egmla(
         source: a `LlamaForCausalLM`, a local folder, a Hub id, or a `.gguf` file.
         kv_lora_rank / kv_cut: the latent width, or the fraction of the source's K/V cache values to remove
             (the latent then takes what the rope keys leave of the budget). Exactly one is needed.
-        rope_pairs_per_head: rotary pairs kept per KV head (default `head_dim // 16`, at least 1); all of them
-            (`head_dim // 2`) keep RoPE exact.
+        rope_pairs_per_head: rotary pairs in each rope key. `rope_keys="per_head"`: per KV head (default
+            `head_dim // 16`, at least 1; all `head_dim // 2` keep RoPE exact). `"shared"`: in the one key all
+            heads share (default twice that; all `num_key_value_heads * head_dim // 2` keep RoPE exact).
+        rope_keys: `"shared"` (TransMLA's RoRoPE, one rope key from the principal components of the KV heads) or
+            `"per_head"` (MHA2MLA's partial RoPE, one rope key per KV head).
         gate_embedding_dim: width of the gate tables (0 = plain MLA); the gate starts as the identity.
-        factorization: `"activation"` (whitened by the calibration covariance) or `"weight"` (plain SVD).
+        factorization: `"activation"` (whitened by the calibration covariance, rows weighted by where their errors
+            reach the output) or `"weight"` (plain SVD).
         calibration_blocks: token ids [N, S] for calibration; needed for `"activation"` and to choose rope pairs
             (without them the pairs are chosen by weight norms alone).
         calibration_texts: documents to calibrate on instead, tokenized with the source's tokenizer into blocks
             of 256 tokens.
         rank_allocation: `"uniform"` (every layer `kv_lora_rank`) or `"energy"` (per-layer ranks, same total).
+        damping: added to the covariance before whitening, as a fraction of its mean diagonal.
+        key_value_balance: weight of key errors against value errors in `"activation"` factorization (0.5 was
+            chosen by calibration perplexity on stories260K among 0.25, 0.5, 0.7, 1).
         statistics: precomputed `calibrate(...)` output, to convert several ways without recalibrating.
-        pair_selection: `"rotation"` (contribution x rotation variance, ours) or `"norm"` (MHA2MLA's 2-norm).
+        pair_selection: `"rotation"` (contribution x rotation variance, ours) or `"norm"` (contribution alone,
+            MHA2MLA's 2-norm for per-head keys).
     """
-    if factorization not in FACTORIZATIONS:
-        raise ValueError(f"factorization must be one of {FACTORIZATIONS}, got {factorization!r}.")
-    if pair_selection not in PAIR_SELECTIONS:
-        raise ValueError(f"pair_selection must be one of {PAIR_SELECTIONS}, got {pair_selection!r}.")
-    if rank_allocation not in RANK_ALLOCATIONS:
-        raise ValueError(f"rank_allocation must be one of {RANK_ALLOCATIONS}, got {rank_allocation!r}.")
+    for name, value, allowed in (
+        ("factorization", factorization, FACTORIZATIONS),
+        ("pair_selection", pair_selection, PAIR_SELECTIONS),
+        ("rank_allocation", rank_allocation, RANK_ALLOCATIONS),
+        ("rope_keys", rope_keys, ROPE_KEYS),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
     if (kv_lora_rank is None) == (kv_cut is None):
         raise ValueError("Give exactly one of kv_lora_rank and kv_cut.")
     if kv_cut is not None and not 0 < kv_cut < 1:
@@ -341,12 +509,16 @@ def convert_llama_to_egmla(
         calibration_blocks = token_blocks(load_tokenizer(source), calibration_texts, 256)
     head_dim, key_heads, query_heads = config.head_dim, config.num_key_value_heads, config.num_attention_heads
     group = query_heads // key_heads
-    pairs = rope_pairs_per_head if rope_pairs_per_head is not None else max(1, head_dim // 16)
-    if not 1 <= pairs <= head_dim // 2:
-        raise ValueError(f"rope_pairs_per_head must lie in [1, head_dim // 2 = {head_dim // 2}], got {pairs}.")
-    nope_dim = head_dim - 2 * pairs
+    pairs = rope_pairs_per_head if rope_pairs_per_head is not None else default_rope_pairs(config, rope_keys)
+    max_pairs = head_dim // 2 if rope_keys == "per_head" else key_heads * head_dim // 2
+    if not 1 <= pairs <= max_pairs:
+        raise ValueError(
+            f"rope_pairs_per_head must lie in [1, {max_pairs}] for rope_keys={rope_keys!r} (head_dim {head_dim}, "
+            f"{key_heads} KV heads), got {pairs}."
+        )
+    nope_dim = head_dim - 2 * pairs if rope_keys == "per_head" else head_dim
     if kv_cut is not None:
-        kv_lora_rank = kv_lora_rank_for_cut(config, kv_cut, pairs)
+        kv_lora_rank = kv_lora_rank_for_cut(config, kv_cut, rope_values_per_token(config, rope_keys, pairs))
     stacked_rows = key_heads * (nope_dim + head_dim)
     max_rank = min(stacked_rows, config.hidden_size)
     if not 1 <= kv_lora_rank <= max_rank:
@@ -364,33 +536,43 @@ def convert_llama_to_egmla(
 
     layers = teacher.model.layers
     inv_freq = teacher.model.rotary_emb.inv_freq.float().cpu()
-    kept_pairs, nope_dims, rope_dims, factorizations = [], [], [], []
+    context_length = (
+        statistics[0].context_length if statistics is not None else min(config.max_position_embeddings, 4096)
+    )
+    splits, factorizations = [], []
     for layer_idx, layer in enumerate(tqdm(layers, desc="factorizing", unit="layer", leave=False)):
         attention = layer.self_attn
-        layer_statistics = (
-            statistics[layer_idx]
-            if statistics is not None
-            else LayerStatistics(
-                covariance=torch.empty(0),
-                query_pair_norms=pair_norms(attention.q_proj.weight.T, query_heads),
-                key_pair_norms=pair_norms(attention.k_proj.weight.T, key_heads),
-                context_length=min(config.max_position_embeddings, 4096),
-                tokens=0,
+        query = attention.q_proj.weight.detach().double().cpu().view(query_heads, head_dim, -1)
+        key = attention.k_proj.weight.detach().double().cpu().view(key_heads, head_dim, -1)
+        value = attention.v_proj.weight.detach().double().cpu().view(key_heads, head_dim, -1)
+        # Without calibration data the choices fall back to the weights alone (an identity covariance).
+        covariance = statistics[layer_idx].covariance if statistics is not None else torch.eye(config.hidden_size)
+        covariance = covariance.double()
+        if rope_keys == "per_head":
+            layer_statistics = (
+                statistics[layer_idx]
+                if statistics is not None
+                else LayerStatistics(
+                    covariance=covariance,
+                    query_pair_norms=pair_norms(attention.q_proj.weight.detach().T, query_heads),
+                    key_pair_norms=pair_norms(attention.k_proj.weight.detach().T, key_heads),
+                    context_length=context_length,
+                    tokens=0,
+                )
             )
-        )
-        layer_pairs = select_rope_pairs(layer_statistics, inv_freq, pairs, pair_selection)
-        dims = [rope_and_nope_dims(head_pairs, head_dim) for head_pairs in layer_pairs]
-        kept_pairs.append(layer_pairs)
-        rope_dims.append([rope for rope, _ in dims])
-        nope_dims.append([nope for _, nope in dims])
+            split = split_per_head(query, key, select_rope_pairs(layer_statistics, inv_freq, pairs, pair_selection))
+        else:
+            split = split_shared(query, key, covariance, inv_freq, context_length, pairs, pair_selection)
+        splits.append(split)
 
-        key = attention.k_proj.weight.view(key_heads, head_dim, -1)
-        value = attention.v_proj.weight.view(key_heads, head_dim, -1)
-        stacked = torch.cat(
-            [torch.cat([key[g, nope_dims[-1][g]], value[g]]) for g in range(key_heads)]
-        )  # [Hkv * (dn + hd), D]: per KV head its NoPE key rows, then its value rows
-        covariance = layer_statistics.covariance if factorization == "activation" else None
-        factorizations.append(factorize(stacked, covariance, damping))
+        stacked = torch.cat([torch.cat([split.nope_key[g], value[g]]) for g in range(key_heads)])
+        # [Hkv * (dn + hd), D]: per KV head its NoPE key rows, then its value rows
+        if factorization == "activation":
+            output = attention.o_proj.weight.detach().double().cpu()
+            weights = output_weights(split, value, output, covariance, key_value_balance)
+            factorizations.append(factorize(stacked, covariance, damping, weights))
+        else:
+            factorizations.append(factorize(stacked, None, damping))
 
     ranks = allocate_ranks(factorizations, kv_lora_rank, rank_allocation)
     egmla_config = EGMLAConfig(
@@ -404,7 +586,7 @@ def convert_llama_to_egmla(
         qk_nope_head_dim=nope_dim,
         qk_rope_head_dim=2 * pairs,
         v_head_dim=head_dim,
-        rope_key_heads=key_heads,
+        rope_key_heads=key_heads if rope_keys == "per_head" else 1,
         gate_embedding_dim=gate_embedding_dim,
         gate_position=gate_position,
         gate_norm="none",  # a norm after the gate would change the function: the fresh gate must be the identity
@@ -415,7 +597,7 @@ def convert_llama_to_egmla(
         tie_word_embeddings=config.tie_word_embeddings,
         rope_parameters=llama_rope_parameters(teacher),
         rope_frequency_dim=head_dim,
-        rope_frequency_indices=kept_pairs,
+        rope_frequency_indices=[split.frequencies for split in splits],
         attention_dropout=config.attention_dropout,
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
@@ -425,26 +607,24 @@ def convert_llama_to_egmla(
     torch.manual_seed(0)  # the gate tables are random rows (the gate is still the identity): make them repeatable
     student = EGMLAForCausalLM(egmla_config)
 
+    # The student's softmax scale is 1/sqrt(dn + dr), the source's 1/sqrt(hd): the queries make up the difference.
+    query_factor = ((nope_dim + 2 * pairs) / head_dim) ** 0.5
+    # The source scales whole heads by the rope's attention factor (YaRN); NoPE dims must keep it.
+    nope_factor = query_factor * teacher.model.rotary_emb.attention_scaling**2
     state = {}
-    for layer_idx, layer in enumerate(layers):
-        attention, prefix = layer.self_attn, f"model.layers.{layer_idx}.self_attn."
-        query = attention.q_proj.weight.view(query_heads, head_dim, -1).clone()
-        # The source scales whole heads by the rope's attention factor (YaRN); NoPE dims must keep it.
-        for h in range(query_heads):
-            query[h, nope_dims[layer_idx][h // group]] *= teacher.model.rotary_emb.attention_scaling**2
-        key = attention.k_proj.weight.view(key_heads, head_dim, -1)
+    for layer_idx, (layer, split) in enumerate(zip(layers, splits, strict=True)):
+        prefix = f"model.layers.{layer_idx}.self_attn."
         down, up = factorizations[layer_idx].truncate(ranks[layer_idx])
         up = up.view(key_heads, nope_dim + head_dim, -1)  # per KV head: [NoPE key ; value] rows
         state[prefix + "q_proj.weight"] = torch.cat(
             [
-                torch.cat([query[h, nope_dims[layer_idx][h // group]], query[h, rope_dims[layer_idx][h // group]]])
+                torch.cat([nope_factor * split.nope_query[h], query_factor * split.rope_query[h]])
                 for h in range(query_heads)
             ]
-        )
-        rope_keys = [key[g, rope_dims[layer_idx][g]] for g in range(key_heads)]
-        state[prefix + "kv_a_proj_with_mqa.weight"] = torch.cat([down.float(), *rope_keys])
+        ).float()
+        state[prefix + "kv_a_proj_with_mqa.weight"] = torch.cat([down, split.rope_key]).float()
         state[prefix + "kv_b_proj.weight"] = torch.cat([up[h // group] for h in range(query_heads)]).float()
-        state[prefix + "o_proj.weight"] = attention.o_proj.weight
+        state[prefix + "o_proj.weight"] = layer.self_attn.o_proj.weight
     for name, tensor in teacher.state_dict().items():
         if ".self_attn." not in name and "rotary_emb" not in name:
             state[name] = tensor
@@ -455,6 +635,7 @@ def convert_llama_to_egmla(
         student.tie_weights()
     student.conversion_plan = ConversionPlan(
         kv_lora_rank=egmla_config.kv_lora_rank,
+        rope_keys=rope_keys,
         rope_pairs_per_head=pairs,
         source_values_per_token_per_layer=2 * key_heads * head_dim,
         target_values_per_token_per_layer=egmla_config.kv_cache_values_per_token() / config.num_hidden_layers,

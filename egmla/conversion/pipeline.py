@@ -77,6 +77,7 @@ class ConvertSettings:
     kv_lora_rank: int | None = None
     kv_cut: float | None = None
     rope_pairs_per_head: int | None = None
+    rope_keys: str = "shared"
     gate_embedding_dim: int = 32
     gate_position: str = "kv"
     factorization: str = "activation"
@@ -106,6 +107,7 @@ def run_conversion(
         kv_lora_rank=convert_settings.kv_lora_rank,
         kv_cut=convert_settings.kv_cut,
         rope_pairs_per_head=convert_settings.rope_pairs_per_head,
+        rope_keys=convert_settings.rope_keys,
         gate_embedding_dim=convert_settings.gate_embedding_dim,
         gate_position=convert_settings.gate_position,
         factorization=convert_settings.factorization,
