@@ -2,10 +2,12 @@
 
 Importing the package registers `EGMLAConfig`, `EGMLAModel` and `EGMLAForCausalLM` with the Auto classes, and
 marks them for Hub remote code, so `save_pretrained` writes the two model files and `auto_map` next to the weights.
+It also registers `attn_implementation="egmla_fused"` (fused decode kernels, `egmla.kernels`).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from . import kernels
 from .configuration_egmla import EGMLAConfig
 from .modeling_egmla import (
     EGMLACache,
@@ -38,6 +40,7 @@ AutoModelForCausalLM.register(EGMLAConfig, EGMLAForCausalLM, exist_ok=True)
 EGMLAConfig.register_for_auto_class()
 EGMLAModel.register_for_auto_class("AutoModel")
 EGMLAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+kernels.register()
 
 
 def gate_table_names(config: EGMLAConfig) -> list[str]:

@@ -451,7 +451,17 @@ class EGMLAAttention(nn.Module):
             past_length = cache.get_seq_length(self.layer_idx)
             latent, rope_key = cache.update(latent, rope_key, self.layer_idx)  # [B, 1, T, r], [B, 1, T, Hr*dr]
 
-        if past_length > 0 and self.gate_position == "latent":
+        fused_output = None
+        if past_length > 0 and not self.training:
+            # A fused decode kernel, when the attention implementation brings one (egmla.kernels: "egmla_fused").
+            implementation = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation)
+            fused_decode = getattr(implementation, "egmla_decode", None)
+            if fused_decode is not None:
+                fused_output = fused_decode(self, q_nope, q_rope, latent, rope_key, gate_embedding, attention_mask)
+
+        if fused_output is not None:
+            attn_output, attn_weights = fused_output, None
+        elif past_length > 0 and self.gate_position == "latent":
             attn_output, attn_weights = self.absorbed_attention(q_nope, q_rope, latent, rope_key, attention_mask)
         else:
             key, value = self.expand_kv(latent, rope_key, gate_embedding)

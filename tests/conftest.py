@@ -1,6 +1,10 @@
 """Shared fixtures: tiny random EG-MLA configs and the real assets in ../shared (skipped when absent)."""
 
+import os
 from pathlib import Path
+
+# Triton kernels run in Triton's CPU interpreter here; it must be chosen before triton is first imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -1,0 +1,70 @@
+"""The fused decode computations in plain torch, shaped for `torch.compile` (the CPU fast path).
+
+Both functions take what the cache holds and the layer's weights, never the expanded K/V of the reference path:
+compiled, the expansion, the gate, its norm and the attention fuse into a few loops over the cached positions.
+"""
+
+import torch
+
+
+def decode_kv(
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    rope_key: torch.Tensor,
+    gate_embedding: torch.Tensor | None,
+    kv_weight: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    mask: torch.Tensor,
+    scaling: float,
+    nope_dim: int,
+    rope_key_heads: int,
+) -> torch.Tensor:
+    """Attention of new queries over a latent cache with the gate on the per-head keys and values.
+
+    query [B, H, S, dn+dr] (rope part rotated), latent [B, T, r], rope_key [B, T, Hr*dr] (rotated),
+    gate_embedding [B, T, de] (the gate-table rows of the cached tokens), kv_weight W^{UKV} [H, dn+dv, r],
+    gate_weight W^{UE} [H, dn+dv, de], norm_weight [dn+dv], mask [B, S, T] bool (True = attend).
+    Returns [B, S, H, dv].
+    """
+    batch_size, heads, query_length, _ = query.shape
+    key_length = latent.shape[1]
+    kv = torch.einsum("btr,hcr->bhtc", latent, kv_weight)  # [B, H, T, dn+dv]
+    if gate_weight is not None:
+        kv = kv * (1 + torch.einsum("bte,hce->bhtc", gate_embedding, gate_weight))
+    if norm_weight is not None:
+        variance = kv.float().pow(2).mean(-1, keepdim=True)
+        kv = norm_weight * (kv.float() * torch.rsqrt(variance + norm_eps)).to(kv.dtype)
+    key_nope, value = kv[..., :nope_dim], kv[..., nope_dim:]
+    query_nope, query_rope = query[..., :nope_dim], query[..., nope_dim:]
+    rope_dim = query_rope.shape[-1]
+    scores = torch.matmul(query_nope, key_nope.transpose(2, 3))  # [B, H, S, T]
+    # Each rope key serves a group of heads: [B, Hr, G, S, dr] x [B, Hr, 1, dr, T], no copy per head.
+    query_rope = query_rope.reshape(batch_size, rope_key_heads, heads // rope_key_heads, query_length, rope_dim)
+    rope_key = rope_key.view(batch_size, key_length, rope_key_heads, rope_dim).permute(0, 2, 3, 1).unsqueeze(2)
+    scores = scores + torch.matmul(query_rope, rope_key).view(batch_size, heads, query_length, key_length)
+    scores = (scores.float() * scaling).masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).transpose(1, 2)
+
+
+def decode_latent(
+    query_latent: torch.Tensor,
+    query_rope: torch.Tensor,
+    latent: torch.Tensor,
+    rope_key: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """The absorbed MQA: every head attends over the shared [latent ; rope key] and reads back the latent.
+
+    query_latent [B, H, S, r] (W^{UK} already folded in), query_rope [B, H, S, Hr*dr] (each head's rotated rope
+    query in its rope key's slot, zeros elsewhere), latent [B, T, r], rope_key [B, T, Hr*dr], mask [B, S, T].
+    Returns the attended latent [B, H, S, r].
+    """
+    scores = torch.matmul(query_latent, latent[:, None].transpose(2, 3))
+    scores = scores + torch.matmul(query_rope, rope_key[:, None].transpose(2, 3))  # [B, H, S, T]
+    scores = (scores.float() * scaling).masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(latent.dtype)
+    return torch.matmul(probs, latent[:, None])

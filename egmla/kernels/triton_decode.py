@@ -1,0 +1,383 @@
+"""Triton decode kernels over the latent cache (flash-decoding: each program attends over one split of the cached
+positions block by block with an online softmax; the splits are merged by log-sum-exp afterwards).
+
+`decode_kv` (gate on the per-head keys and values) expands every block of cached latents with W^{UKV}, builds the
+gate from the gate-table rows and W^{UE}, applies the gate norm and attends, so expanded K/V never reaches main
+memory. `decode_latent` is the absorbed MQA over `[latent ; rope key]`. Both take and return what
+`fused_torch` does. Set `TRITON_INTERPRET=1` before importing this module to run them on the CPU.
+"""
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def block(width: int) -> int:
+    """A power-of-two tile width >= 16 (tl.dot's minimum) covering `width`."""
+    return max(16, triton.next_power_of_2(max(width, 1)))
+
+
+def split_size_for(key_length: int, rows: int, block_t: int, target_programs: int = 264) -> int:
+    """Positions per program: enough splits that rows x splits fills the GPU (about two programs per SM)."""
+    splits = max(1, min(math.ceil(target_programs / max(rows, 1)), math.ceil(key_length / block_t)))
+    return block_t * math.ceil(math.ceil(key_length / splits) / block_t)
+
+
+def merge_splits(acc: torch.Tensor, running_max: torch.Tensor, running_sum: torch.Tensor) -> torch.Tensor:
+    """acc [..., splits, d], running_max/sum [..., splits] -> softmax-weighted output [..., d] (log-sum-exp)."""
+    weight = torch.exp(running_max - running_max.max(dim=-1, keepdim=True).values)
+    total = (running_sum * weight).sum(dim=-1, keepdim=True)
+    return (acc * weight[..., None]).sum(dim=-2) / total
+
+
+@triton.jit
+def _decode_kv_kernel(
+    query_ptr,  # [B, H, S, DN + DR]
+    latent_ptr,  # [B, T, R]
+    rope_key_ptr,  # [B, T, HR * DR]
+    gate_embedding_ptr,  # [B, T, DE]
+    kv_weight_ptr,  # [H, DN + DV, R]
+    gate_weight_ptr,  # [H, DN + DV, DE]
+    norm_weight_ptr,  # [DN + DV]
+    mask_ptr,  # [B, S, T] int8
+    acc_ptr,  # [B, H, S, SPLITS, DV]
+    max_ptr,  # [B, H, S, SPLITS]
+    sum_ptr,  # [B, H, S, SPLITS]
+    key_length,
+    heads,
+    query_length,
+    splits,
+    split_size,
+    scaling,
+    norm_eps,
+    DN: tl.constexpr,
+    DV: tl.constexpr,
+    DR: tl.constexpr,
+    R: tl.constexpr,
+    DE: tl.constexpr,
+    HR: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_DN: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_DE: tl.constexpr,
+):
+    row = tl.program_id(0)  # one (batch, head, query) row
+    split = tl.program_id(1)
+    b = row // (heads * query_length)
+    h = (row // query_length) % heads
+    s = row % query_length
+    g = h // (heads // HR)  # the rope key this head reads
+
+    dn = tl.arange(0, BLOCK_DN)
+    dv = tl.arange(0, BLOCK_DV)
+    dr = tl.arange(0, BLOCK_DR)
+    rr = tl.arange(0, BLOCK_R)
+    de = tl.arange(0, BLOCK_DE)
+    q_nope = tl.load(query_ptr + row * (DN + DR) + dn, mask=dn < DN, other=0.0).to(tl.float32)
+    q_rope = tl.load(query_ptr + row * (DN + DR) + DN + dr, mask=dr < DR, other=0.0).to(tl.float32)
+    # This head's slices of W^{UKV} (and W^{UE}) stay in fast memory for the whole split.
+    w_base = kv_weight_ptr + h * (DN + DV) * R
+    w_key = tl.load(w_base + dn[:, None] * R + rr[None, :], mask=(dn[:, None] < DN) & (rr[None, :] < R), other=0.0)
+    w_value = tl.load(
+        w_base + (DN + dv[:, None]) * R + rr[None, :], mask=(dv[:, None] < DV) & (rr[None, :] < R), other=0.0
+    )
+    if UPCAST:
+        w_key = w_key.to(tl.float32)
+        w_value = w_value.to(tl.float32)
+    if HAS_GATE:
+        g_base = gate_weight_ptr + h * (DN + DV) * DE
+        g_key = tl.load(
+            g_base + dn[:, None] * DE + de[None, :], mask=(dn[:, None] < DN) & (de[None, :] < DE), other=0.0
+        )
+        g_value = tl.load(
+            g_base + (DN + dv[:, None]) * DE + de[None, :], mask=(dv[:, None] < DV) & (de[None, :] < DE), other=0.0
+        )
+        if UPCAST:
+            g_key = g_key.to(tl.float32)
+            g_value = g_value.to(tl.float32)
+    if HAS_NORM:
+        n_key = tl.load(norm_weight_ptr + dn, mask=dn < DN, other=0.0).to(tl.float32)
+        n_value = tl.load(norm_weight_ptr + DN + dv, mask=dv < DV, other=0.0).to(tl.float32)
+
+    running_max = -1e30  # finite, so that a block masked out entirely gives exp(0) * 0, not NaN
+    running_sum = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    start = split * split_size
+    end = tl.minimum(start + split_size, key_length)
+    for t0 in range(start, end, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        inside = t < end
+        token = b * key_length + t
+        latent = tl.load(
+            latent_ptr + token[:, None] * R + rr[None, :], mask=inside[:, None] & (rr[None, :] < R), other=0.0
+        )
+        if UPCAST:
+            latent = latent.to(tl.float32)
+        key = tl.dot(latent, tl.trans(w_key), input_precision=PRECISION)  # [BLOCK_T, BLOCK_DN]
+        value = tl.dot(latent, tl.trans(w_value), input_precision=PRECISION)  # [BLOCK_T, BLOCK_DV]
+        if HAS_GATE:
+            rows = tl.load(
+                gate_embedding_ptr + token[:, None] * DE + de[None, :],
+                mask=inside[:, None] & (de[None, :] < DE),
+                other=0.0,
+            )
+            if UPCAST:
+                rows = rows.to(tl.float32)
+            key = key * (1.0 + tl.dot(rows, tl.trans(g_key), input_precision=PRECISION))
+            value = value * (1.0 + tl.dot(rows, tl.trans(g_value), input_precision=PRECISION))
+        if HAS_NORM:
+            mean_square = (tl.sum(key * key, axis=1) + tl.sum(value * value, axis=1)) / (DN + DV)
+            inverse = 1.0 / tl.sqrt(mean_square + norm_eps)
+            key = key * inverse[:, None] * n_key[None, :]
+            value = value * inverse[:, None] * n_value[None, :]
+        rope_key = tl.load(
+            rope_key_ptr + token[:, None] * (HR * DR) + g * DR + dr[None, :],
+            mask=inside[:, None] & (dr[None, :] < DR),
+            other=0.0,
+        ).to(tl.float32)
+        score = tl.sum(key * q_nope[None, :], axis=1) + tl.sum(rope_key * q_rope[None, :], axis=1)
+        allowed = tl.load(mask_ptr + (b * query_length + s) * key_length + t, mask=inside, other=0) != 0
+        score = tl.where(allowed, score * scaling, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(score, axis=0))
+        rescale = tl.exp(running_max - new_max)
+        probs = tl.exp(score - new_max)
+        running_sum = running_sum * rescale + tl.sum(probs, axis=0)
+        acc = acc * rescale + tl.sum(probs[:, None] * value, axis=0)
+        running_max = new_max
+    out = row * splits + split
+    tl.store(acc_ptr + out * DV + dv, acc, mask=dv < DV)
+    tl.store(max_ptr + out, running_max)
+    tl.store(sum_ptr + out, running_sum)
+
+
+@triton.jit
+def _decode_latent_kernel(
+    query_latent_ptr,  # [B, M, R], M = H * S rows (row = head * S + query)
+    query_rope_ptr,  # [B, M, RW], RW = HR * DR
+    latent_ptr,  # [B, T, R]
+    rope_key_ptr,  # [B, T, RW]
+    mask_ptr,  # [B, S, T] int8
+    acc_ptr,  # [B, M, SPLITS, R]
+    max_ptr,  # [B, M, SPLITS]
+    sum_ptr,  # [B, M, SPLITS]
+    key_length,
+    query_length,
+    rows,
+    row_blocks,
+    splits,
+    split_size,
+    scaling,
+    R: tl.constexpr,
+    RW: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_RW: tl.constexpr,
+):
+    program = tl.program_id(0)
+    split = tl.program_id(1)
+    b = program // row_blocks
+    m = (program % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)  # a block of heads x queries: MQA shares K
+    row_ok = m < rows
+    s = m % query_length
+    rr = tl.arange(0, BLOCK_R)
+    rw = tl.arange(0, BLOCK_RW)
+    q_latent = tl.load(
+        query_latent_ptr + (b * rows + m[:, None]) * R + rr[None, :],
+        mask=row_ok[:, None] & (rr[None, :] < R),
+        other=0.0,
+    )
+    q_rope = tl.load(
+        query_rope_ptr + (b * rows + m[:, None]) * RW + rw[None, :],
+        mask=row_ok[:, None] & (rw[None, :] < RW),
+        other=0.0,
+    )
+    if UPCAST:
+        q_latent = q_latent.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
+
+    running_max = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    start = split * split_size
+    end = tl.minimum(start + split_size, key_length)
+    for t0 in range(start, end, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        inside = t < end
+        token = b * key_length + t
+        latent = tl.load(
+            latent_ptr + token[:, None] * R + rr[None, :], mask=inside[:, None] & (rr[None, :] < R), other=0.0
+        )
+        rope_key = tl.load(
+            rope_key_ptr + token[:, None] * RW + rw[None, :], mask=inside[:, None] & (rw[None, :] < RW), other=0.0
+        )
+        if UPCAST:
+            latent = latent.to(tl.float32)
+            rope_key = rope_key.to(tl.float32)
+        score = tl.dot(q_latent, tl.trans(latent), input_precision=PRECISION)
+        score += tl.dot(q_rope, tl.trans(rope_key), input_precision=PRECISION)  # [BLOCK_M, BLOCK_T]
+        allowed = tl.load(
+            mask_ptr + (b * query_length + s[:, None]) * key_length + t[None, :],
+            mask=row_ok[:, None] & inside[None, :],
+            other=0,
+        )
+        score = tl.where(allowed != 0, score * scaling, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(score, axis=1))
+        rescale = tl.exp(running_max - new_max)
+        probs = tl.exp(score - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(latent.dtype), latent, input_precision=PRECISION)
+        running_max = new_max
+    out = (b * rows + m) * splits + split
+    tl.store(acc_ptr + out[:, None] * R + rr[None, :], acc, mask=row_ok[:, None] & (rr[None, :] < R))
+    tl.store(max_ptr + out, running_max, mask=row_ok)
+    tl.store(sum_ptr + out, running_sum, mask=row_ok)
+
+
+def upcast() -> bool:
+    """Triton's CPU interpreter multiplies bf16/fp16 tiles in tl.dot as raw bits: there, dot operands go to fp32."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def precision(dtype: torch.dtype) -> str:
+    """fp32 stays fp32 in tl.dot (tf32 would miss the 1e-4 tolerance); half types use the tensor cores as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_kv(
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    rope_key: torch.Tensor,
+    gate_embedding: torch.Tensor | None,
+    kv_weight: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    mask: torch.Tensor,
+    scaling: float,
+    nope_dim: int,
+    rope_key_heads: int,
+    split_size: int | None = None,
+    block_t: int = 32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See `fused_torch.decode_kv`; returns [B, S, H, dv] (written into `out` when given)."""
+    batch_size, heads, query_length, qk_dim = query.shape
+    key_length, rank = latent.shape[1], latent.shape[2]
+    value_dim = kv_weight.shape[1] - nope_dim
+    rope_dim = qk_dim - nope_dim
+    dtype = latent.dtype
+    rows = batch_size * heads * query_length
+    split_size = split_size or split_size_for(key_length, rows, block_t)
+    splits = math.ceil(key_length / split_size)
+    # NaN-filled: an element a program failed to write poisons the result instead of passing as zero.
+    acc = torch.full((rows, splits, value_dim), float("nan"), device=latent.device, dtype=torch.float32)
+    running_max = torch.full((rows, splits), float("nan"), device=latent.device, dtype=torch.float32)
+    running_sum = torch.full_like(running_max, float("nan"))
+    gate_dim = gate_weight.shape[-1] if gate_weight is not None else 1
+    _decode_kv_kernel[(rows, splits)](
+        query.contiguous(),
+        latent.contiguous(),
+        rope_key.contiguous(),
+        gate_embedding.to(dtype).contiguous() if gate_weight is not None else latent,
+        kv_weight.to(dtype).contiguous(),
+        gate_weight.to(dtype).contiguous() if gate_weight is not None else latent,
+        norm_weight.contiguous() if norm_weight is not None else latent,
+        mask.to(torch.int8).contiguous(),
+        acc,
+        running_max,
+        running_sum,
+        key_length,
+        heads,
+        query_length,
+        splits,
+        split_size,
+        scaling,
+        norm_eps,
+        DN=nope_dim,
+        DV=value_dim,
+        DR=rope_dim,
+        R=rank,
+        DE=gate_dim,
+        HR=rope_key_heads,
+        HAS_GATE=gate_weight is not None,
+        HAS_NORM=norm_weight is not None,
+        PRECISION=precision(dtype),
+        UPCAST=upcast(),
+        BLOCK_T=block_t,
+        BLOCK_DN=block(nope_dim),
+        BLOCK_DV=block(value_dim),
+        BLOCK_DR=block(rope_dim),
+        BLOCK_R=block(rank),
+        BLOCK_DE=block(gate_dim),
+    )
+    result = merge_splits(acc, running_max, running_sum).view(batch_size, heads, query_length, value_dim)
+    result = result.transpose(1, 2).to(query.dtype)
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
+def decode_latent(
+    query_latent: torch.Tensor,
+    query_rope: torch.Tensor,
+    latent: torch.Tensor,
+    rope_key: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    split_size: int | None = None,
+    block_t: int = 32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See `fused_torch.decode_latent`; returns [B, H, S, r] (written into `out` when given)."""
+    batch_size, heads, query_length, rank = query_latent.shape
+    key_length, rope_width = latent.shape[1], rope_key.shape[2]
+    rows = heads * query_length
+    block_m = min(64, block(rows))
+    row_blocks = math.ceil(rows / block_m)
+    split_size = split_size or split_size_for(key_length, batch_size * row_blocks, block_t)
+    splits = math.ceil(key_length / split_size)
+    acc = torch.full((batch_size, rows, splits, rank), float("nan"), device=latent.device, dtype=torch.float32)
+    running_max = torch.full((batch_size, rows, splits), float("nan"), device=latent.device, dtype=torch.float32)
+    running_sum = torch.full_like(running_max, float("nan"))
+    _decode_latent_kernel[(batch_size * row_blocks, splits)](
+        query_latent.to(latent.dtype).reshape(batch_size, rows, rank).contiguous(),
+        query_rope.to(latent.dtype).reshape(batch_size, rows, rope_width).contiguous(),
+        latent.contiguous(),
+        rope_key.contiguous(),
+        mask.to(torch.int8).contiguous(),
+        acc,
+        running_max,
+        running_sum,
+        key_length,
+        query_length,
+        rows,
+        row_blocks,
+        splits,
+        split_size,
+        scaling,
+        R=rank,
+        RW=rope_width,
+        PRECISION=precision(latent.dtype),
+        UPCAST=upcast(),
+        BLOCK_M=block_m,
+        BLOCK_T=block_t,
+        BLOCK_R=block(rank),
+        BLOCK_RW=block(rope_width),
+    )
+    result = merge_splits(acc, running_max, running_sum).view(batch_size, heads, query_length, rank)
+    result = result.to(query_latent.dtype)
+    if out is None:
+        return result
+    return out.copy_(result)
