@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--kv-cut", type=float, default=0.6875)
     parser.add_argument("--rope-pairs", type=int, default=None)
     parser.add_argument("--rope-keys", choices=("shared", "per_head"), default="shared")
+    parser.add_argument("--per-head-pairs", type=int, default=None, help="pairs per KV head of the per-head row")
     parser.add_argument("--text", type=Path, default=None, help="fitting text (default: sampled from the source)")
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--calib-blocks", type=int, default=64)
@@ -67,14 +68,25 @@ def main() -> None:
             student, text.held_out
         )
     values = student.config.kv_cache_values_per_token() / student.config.num_hidden_layers
+    if args.rope_keys == "shared":  # the same budget with MHA2MLA's per-KV-head rope keys
+        per_head = convert_llama_to_egmla(
+            teacher,
+            kv_cut=args.kv_cut,
+            rope_pairs_per_head=args.per_head_pairs,
+            rope_keys="per_head",
+            statistics=statistics,
+        )
+        pairs = per_head.config.qk_rope_head_dim // 2
+        rows[f"activation-aware, per-KV-head rope keys ({pairs} pairs each)"] = perplexity(per_head, text.held_out)
     if args.pair_selection_too:
         pairs = student.config.qk_rope_head_dim // 2
-        full_rank = teacher.config.num_key_value_heads * (2 * teacher.config.head_dim - 2 * pairs)
+        stacked_rows = teacher.config.num_key_value_heads * (student.config.qk_nope_head_dim + teacher.config.head_dim)
         for selection in ("rotation", "norm"):
             exact_latent = convert_llama_to_egmla(
                 teacher,
-                kv_lora_rank=min(full_rank, teacher.config.hidden_size),
+                kv_lora_rank=min(stacked_rows, teacher.config.hidden_size),
                 rope_pairs_per_head=pairs,
+                rope_keys=args.rope_keys,
                 statistics=statistics,
                 pair_selection=selection,
             )
@@ -82,7 +94,8 @@ def main() -> None:
     source_values = 2 * teacher.config.num_key_value_heads * teacher.config.head_dim
     print(
         f"\n{source}: {source_values} -> {values:.0f} KV values/token/layer ({args.kv_cut:.2%} cut), "
-        f"rope pairs/head {student.config.qk_rope_head_dim // 2}; held-out text: {text.description['eval_text']}"
+        f"{args.rope_keys} rope keys of {student.config.qk_rope_head_dim // 2} pairs; "
+        f"held-out text: {text.description['eval_text']}"
     )
     print("| model | zero-shot held-out perplexity | vs source |\n|---|---|---|")
     for name, value in rows.items():

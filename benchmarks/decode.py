@@ -1,0 +1,77 @@
+"""Decode latency on the CPU: the reference path against the compiled fused path, side by side in one process.
+
+    python benchmarks/decode.py                        # the paper's EG-MLA-kv64 width, 2 layers, gate on K/V
+    python benchmarks/decode.py --gate-position latent --contexts 2048
+
+For every batch size and context length the same model decodes one token over a cache of exactly that length
+(the cache is cropped back after every step), alternating the backends repetition by repetition (the machine is
+shared and noisy); the table gives medians in ms per generated token and the speed-up of compiled over reference.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import egmla  # noqa: F401  (registers egmla_fused)
+from egmla import EGMLACache, EGMLAConfig, EGMLAForCausalLM
+
+
+def decode_step_ms(model, cache: EGMLACache, token: torch.Tensor, steps: int) -> float:
+    """Mean ms of `steps` single-token forwards over a cache of `context` tokens."""
+    started = time.perf_counter()
+    for _ in range(steps):
+        model(token, cache=cache, use_cache=True)
+        cache.crop(-1)  # back to `context` tokens
+    return (time.perf_counter() - started) * 1000 / steps
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="paper-egmla-kv64")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--gate-position", choices=["kv", "latent"], default="kv")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--repetitions", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="decode steps per timed repetition")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    config = EGMLAConfig.from_preset(
+        args.preset,
+        num_hidden_layers=args.layers,
+        gate_position=args.gate_position,
+        max_position_embeddings=max(args.contexts) + 16,
+    )
+    model = EGMLAForCausalLM(config).eval()
+    model.set_attn_implementation("egmla_fused")
+    print(
+        f"{args.preset}, {args.layers} layers, gate on {args.gate_position}, kv_lora_rank {config.kv_lora_rank}, "
+        f"{torch.get_num_threads()} threads; medians of {args.repetitions} interleaved repetitions x {args.steps} steps"
+    )
+    print("| batch | context | reference ms/token | compiled ms/token | compiled speed-up |\n|---|---|---|---|---|")
+    for batch_size in args.batches:
+        for context in args.contexts:
+            prompt = torch.randint(0, config.vocab_size, (batch_size, context))
+            cache = EGMLACache(config)
+            model(prompt, cache=cache, use_cache=True)  # prefill (SDPA over the expanded heads)
+            token = torch.randint(0, config.vocab_size, (batch_size, 1))
+            times = {"reference": [], "compiled": []}
+            for backend in times:  # warm-up: compiles, and the first steps' allocations
+                os.environ["EGMLA_KERNEL"] = backend
+                decode_step_ms(model, cache, token, 2)
+            for _ in range(args.repetitions):
+                for backend in times:
+                    os.environ["EGMLA_KERNEL"] = backend
+                    times[backend].append(decode_step_ms(model, cache, token, args.steps))
+            reference, compiled = (statistics.median(times[backend]) for backend in ("reference", "compiled"))
+            print(f"| {batch_size} | {context} | {reference:.1f} | {compiled:.1f} | {reference / compiled:.2f}x |")
+    os.environ.pop("EGMLA_KERNEL", None)
+
+
+if __name__ == "__main__":
+    main()
