@@ -1,6 +1,7 @@
-"""Command line: `egmla retrofit` (the README's main job), `convert`, `finetune`, `ppl`, `quickstart`."""
+"""Command line: `egmla retrofit` (the README's main job), `convert`, `finetune`, `ppl`, `quickstart`, `bench`."""
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -124,6 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--block-size", type=int, default=256)
     ppl.add_argument("--max-blocks", type=int, default=None)
 
+    bench = commands.add_parser("bench", help="the paper's figure at small scale: kv, decode, train, figure")
+    bench.add_argument("panel", choices=["kv", "decode", "train", "figure"])
+    bench.add_argument("--results", type=Path, default=Path("benchmarks/results"), help="JSON results folder")
+    bench.add_argument("--quick", action="store_true", help="toy sizes, seconds (what the tests run)")
+    bench.add_argument("--contexts", type=int, nargs="+", default=[512, 2048], help="decode: context lengths")
+    bench.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode: batch sizes")
+    bench.add_argument("--repetitions", type=int, default=5, help="decode: interleaved repetitions")
+    bench.add_argument("--budget-mib", type=float, default=64, help="decode: cache budget for the tokens/s table")
+    bench.add_argument("--text", type=Path, default=None, help="train: documents (default: shared TinyStories)")
+    bench.add_argument("--steps", type=int, default=None, help="train: steps per run")
+
     quick = commands.add_parser(
         "quickstart", help="train a small EG-MLA from scratch, measure its cache, save a Hub-ready folder"
     )
@@ -190,7 +202,53 @@ def finetune_settings(args: argparse.Namespace, checkpoint_dir: Path | None, res
     )
 
 
+def write_json(path: Path, result: dict) -> None:
+    """Whole or not at all: written beside and renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(path.name + ".partial")
+    staging.write_text(json.dumps(result, indent=2) + "\n")
+    staging.replace(path)
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    from .bench import decode, figure, kv, train
+
+    results = args.results if not args.quick or args.results != Path("benchmarks/results") else Path("runs/bench-quick")
+    if args.panel == "kv":
+        result = kv.run_kv(quick=args.quick)
+        kv.print_kv(result)
+    elif args.panel == "decode":
+        result = decode.run_decode(
+            quick=args.quick,
+            contexts=tuple(args.contexts),
+            batches=tuple(args.batches),
+            repetitions=args.repetitions,
+            budget_mib=args.budget_mib,
+        )
+        decode.print_decode(result)
+    elif args.panel == "train":
+        settings = train.QUICK if args.quick else train.TrainBench()
+        overrides = {"text": args.text, "steps": args.steps}
+        settings = dataclasses.replace(
+            settings, **{key: value for key, value in overrides.items() if value is not None}
+        )
+        result = train.run_train(settings, results)
+        train.print_train(result)
+    else:
+        png, markdown = figure.draw_figure(results)
+        print(markdown.read_text())
+        print(f"wrote {png} and {markdown}")
+        return
+    write_json(results / f"{args.panel}.json", result)
+    print(f"wrote {results / f'{args.panel}.json'}")
+
+
 def run(args: argparse.Namespace) -> None:
+    if args.command == "bench":
+        run_bench(args)
+        return
     if args.command == "quickstart":
         if args.steps <= 0:
             raise ValueError("--steps must be positive")

@@ -56,6 +56,23 @@ def mean_loss(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 8,
     return total / count
 
 
+@torch.no_grad()
+def loss_and_accuracy(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 8) -> tuple[float, float]:
+    """Mean next-token cross-entropy (nats) and the fraction of next tokens predicted exactly (argmax)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total_loss, correct, count = 0.0, 0, 0
+    for start in range(0, len(blocks), batch_size):
+        batch = blocks[start : start + batch_size].to(device)
+        outputs = model(batch, labels=batch, use_cache=False)
+        total_loss += outputs.loss.item() * len(batch)
+        correct += (outputs.logits[:, :-1].argmax(-1) == batch[:, 1:]).sum().item()
+        count += len(batch)
+    model.train(was_training)
+    return total_loss / count, correct / (count * (blocks.shape[1] - 1))
+
+
 def perplexity(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 8, progress: bool = False) -> float:
     return math.exp(mean_loss(model, blocks, batch_size, progress))
 

@@ -1,6 +1,7 @@
 """Fused decode kernels: Triton (through its CPU interpreter) and the compiled CPU path against the reference."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -226,3 +227,32 @@ def test_reference_backend_decodes_through_the_model_path(monkeypatch):
     expected = model.generate(prompts, max_new_tokens=5, do_sample=False)
     model.set_attn_implementation("egmla_fused")
     assert torch.equal(model.generate(prompts, max_new_tokens=5, do_sample=False), expected)
+
+
+def test_the_gpu_benchmark_script_runs(tmp_path):
+    """benchmarks/gpu_decode.py is meant for a GPU; --smoke runs its whole path on tiny shapes in the interpreter."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_decode.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| kv |") or line.startswith("| latent |")]
+    assert len(rows) == 2
+
+
+def test_triton_leaves_steps_under_autograd_to_the_reference(monkeypatch):
+    monkeypatch.setenv("EGMLA_KERNEL", "triton")
+    module = attention_module("kv", 1, 10, "rms")
+    q_nope, q_rope, latent, rope_key, gate_embedding, mask = decode_inputs(module, 1, 7, 1, 0)
+    q_nope.requires_grad_(True)
+    assert kernels.fused_decode(module, q_nope, q_rope, latent, rope_key, gate_embedding, mask[:, None]) is None
+    with torch.no_grad():
+        assert kernels.fused_decode(module, q_nope, q_rope, latent, rope_key, gate_embedding, mask[:, None]) is not None

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .. import LORA_TARGET_MODULES, gate_table_names
 from ..modeling_egmla import EGMLAForCausalLM
-from ..text import mean_loss, token_blocks
+from ..text import loss_and_accuracy, token_blocks
 
 STATE_FOLDER = "accelerate_state"
 PROGRESS_FILE = "progress.json"
@@ -204,8 +204,8 @@ def finetune(
 
         done = step + 1
         if eval_blocks is not None and settings.eval_every and done % settings.eval_every == 0:
-            held_out = mean_loss(model, eval_blocks, settings.batch_size)
-            history.append({"step": done, "held_out_loss": held_out})
+            held_out, accuracy = loss_and_accuracy(model, eval_blocks, settings.batch_size)
+            history.append({"step": done, "held_out_loss": held_out, "held_out_accuracy": accuracy})
             accelerator.print(f"step {done}: held-out perplexity {math.exp(held_out):.3f}")
         if checkpoint is not None and settings.save_every and done % settings.save_every == 0:
             save_checkpoint(accelerator, checkpoint, done, history)

@@ -70,11 +70,27 @@ def implementation(backend: str):
     return fused_torch
 
 
+# Dims that change from step to step (batch, new tokens, context); weights and head dims stay static, so each
+# layer shape compiles once and a growing context does not recompile.
+DYNAMIC_DIMS = {
+    "decode_kv": {0: (0, 2), 1: (0, 1), 2: (0, 1), 3: (0, 1), 8: (0, 1, 2)},
+    "decode_latent": {0: (0, 2), 1: (0, 2), 2: (0, 1), 3: (0, 1), 4: (0, 1, 2)},
+}
+
+
 def compiled(name: str):
-    """torch.compile of a `fused_torch` function, built once (after the first recompile, dims that changed, the
-    context length among them, become dynamic, so a growing context does not recompile every step)."""
+    """torch.compile of a `fused_torch` function, built once; the step-dependent dims are marked dynamic."""
     if name not in _compiled:
-        _compiled[name] = torch.compile(getattr(fused_torch, name))
+        function = torch.compile(getattr(fused_torch, name), dynamic=False)
+
+        def call(*arguments):
+            for index, dims in DYNAMIC_DIMS[name].items():
+                if arguments[index] is not None:
+                    for dim in dims:
+                        torch._dynamo.maybe_mark_dynamic(arguments[index], dim)
+            return function(*arguments)
+
+        _compiled[name] = call
     return _compiled[name]
 
 
@@ -112,6 +128,11 @@ def fused_decode(
     """
     backend = choose_backend(latent.device)
     if backend == "reference" or (backend == "compiled" and _compile_failed):
+        return None
+    if backend == "triton" and torch.is_grad_enabled() and (q_nope.requires_grad or latent.requires_grad):
+        log_once(
+            "egmla_fused: the Triton kernels have no backward, so a decode step under autograd uses the reference."
+        )
         return None
     batch_size, heads, query_length, _ = q_nope.shape
     key_length = latent.shape[2]

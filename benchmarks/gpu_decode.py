@@ -1,0 +1,151 @@
+"""GPU decode roofline (one prepared script, under 3 minutes on one H200): both Triton kernels against the
+reference path and against an MHA decode of the same width (SDPA over a full K/V cache), with achieved bytes/s
+and FLOP/s next to ceilings measured on the same GPU (a large copy, a large bf16 matmul).
+
+    python benchmarks/gpu_decode.py                                  # on a CUDA machine
+    TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --smoke       # tiny shapes on the CPU: checks the script
+
+Layer shapes are the paper's EG-MLA-kv64 (12 heads, nope/rope/value dims 64, latent 64, gate tables of 256),
+bf16. "roofline" is the time the kernel would take at the measured ceilings: max(bytes / copy bandwidth,
+FLOPs / matmul throughput), bytes being what it must read at least once (the cache and the weights); the
+fraction is roofline / measured (the goal is >= 50%).
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from egmla import EGMLAConfig, EGMLAForCausalLM
+from egmla.kernels import bool_mask, triton_decode
+
+
+def timed(function, repetitions: int, device: torch.device) -> float:
+    """Median seconds of `function()` after two warm-up calls."""
+    for _ in range(2):
+        function()
+    samples = []
+    for _ in range(repetitions):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            function()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) / 1000)
+        else:
+            started = time.perf_counter()
+            function()
+            samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def ceilings(device: torch.device, smoke: bool) -> tuple[float, float]:
+    """(bytes/s of a large device copy, FLOP/s of a large bf16 matmul), measured."""
+    elements = 2**20 if smoke else 2**29  # 1 GiB of bf16
+    source = torch.empty(elements, dtype=torch.bfloat16, device=device)
+    target = torch.empty_like(source)
+    copy_seconds = timed(lambda: target.copy_(source), 3 if smoke else 20, device)
+    size = 256 if smoke else 8192
+    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    matmul_seconds = timed(lambda: a @ b, 3 if smoke else 20, device)
+    return 2 * source.numel() * 2 / copy_seconds, 2 * size**3 / matmul_seconds
+
+
+def attention_layer(gate_position: str, device: torch.device):
+    config = EGMLAConfig.from_preset("paper-egmla-kv64", num_hidden_layers=1, gate_position=gate_position)
+    module = EGMLAForCausalLM(config).model.layers[0].self_attn
+    with torch.no_grad():
+        module.gate_embedding_proj.weight.normal_(0.0, 0.02)  # a trained gate, not the identity it starts as
+    return module.to(device=device, dtype=torch.bfloat16).eval()
+
+
+def decode_case(module, batch_size: int, context: int, device: torch.device):
+    """(kernel, reference, MHA) callables for one decode step over `context` cached tokens, the bytes the kernel
+    must read at least once and its FLOPs."""
+    heads, nope, rope, value_dim = module.num_heads, module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim
+    rank, gate_dim = module.kv_lora_rank, module.config.gate_embedding_dim
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16)
+
+    q_nope, q_rope = randn(batch_size, heads, 1, nope), randn(batch_size, heads, 1, rope)
+    latent, rope_key = randn(batch_size, 1, context, rank), randn(batch_size, 1, context, rope)
+    gate_embedding = randn(batch_size, context, gate_dim)
+    mask = bool_mask(None, batch_size, 1, context, device)
+    weight = module.kv_b_weight(like=latent)
+    if module.gate_position == "kv":
+        gate_weight = module.gate_embedding_proj.weight.view(heads, nope + value_dim, gate_dim)
+        query = torch.cat([q_nope, q_rope], dim=-1)
+        norm = module.gate_norm
+
+        def kernel():
+            return triton_decode.decode_kv(
+                query, latent[:, 0], rope_key[:, 0], gate_embedding, weight, gate_weight, norm.weight,
+                norm.variance_epsilon, mask, module.scaling, nope, 1,
+            )  # fmt: skip
+
+        def reference():
+            key, value = module.expand_kv(latent, rope_key, gate_embedding)
+            return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=module.scaling)
+
+        # The cache, the gate rows and the weights read once; expansion, gate and attention FLOPs.
+        read = (latent.numel() + rope_key.numel() + gate_embedding.numel() + weight.numel() + gate_weight.numel()) * 2
+        flops = 2 * batch_size * context * heads * ((nope + value_dim) * (rank + gate_dim) + nope + rope + value_dim)
+    else:
+        query_latent = torch.einsum("bhsd,hdr->bhsr", q_nope, weight[:, :nope])
+
+        def kernel():
+            return triton_decode.decode_latent(query_latent, q_rope, latent[:, 0], rope_key[:, 0], mask, module.scaling)
+
+        def reference():
+            return module.absorbed_attention(q_nope, q_rope, latent, rope_key, None)
+
+        read = (latent.numel() + rope_key.numel()) * 2
+        flops = 2 * batch_size * heads * context * (rank + rope + rank)
+    # MHA of the same width: every head caches its full key (nope + rope) and its value.
+    mha_query = randn(batch_size, heads, 1, nope + rope)
+    mha_key, mha_value = randn(batch_size, heads, context, nope + rope), randn(batch_size, heads, context, value_dim)
+
+    def mha():
+        return torch.nn.functional.scaled_dot_product_attention(mha_query, mha_key, mha_value)
+
+    return kernel, reference, mha, read, flops
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--repetitions", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on the CPU")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    contexts, batch_size, repetitions = (
+        ([40], 2, 2) if args.smoke else (args.contexts, args.batch_size, args.repetitions)
+    )
+    bandwidth, throughput = ceilings(device, args.smoke)
+    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (smoke)'}: ceilings "
+          f"{bandwidth / 1e9:.0f} GB/s copy, {throughput / 1e12:.1f} TFLOP/s bf16 matmul")  # fmt: skip
+    print(
+        "| kernel | batch | context | ms | vs reference | vs MHA (SDPA, full cache) | GB/s | TFLOP/s | roofline % |"
+        "\n|---|---|---|---|---|---|---|---|---|"
+    )
+    for gate_position in ("kv", "latent"):
+        module = attention_layer(gate_position, device)
+        for context in contexts:
+            kernel, reference, mha, read, flops = decode_case(module, batch_size, context, device)
+            kernel_s, reference_s, mha_s = (timed(f, repetitions, device) for f in (kernel, reference, mha))
+            roofline = max(read / bandwidth, flops / throughput)
+            print(
+                f"| {gate_position} | {batch_size} | {context} | {kernel_s * 1e3:.3f} | {reference_s / kernel_s:.2f}x "
+                f"| {mha_s / kernel_s:.2f}x | {read / kernel_s / 1e9:.0f} | {flops / kernel_s / 1e12:.2f} "
+                f"| {100 * roofline / kernel_s:.0f}% |"
+            )
+
+
+if __name__ == "__main__":
+    main()

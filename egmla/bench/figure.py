@@ -1,0 +1,136 @@
+"""Draws the paper's four panels from the JSON results into one PNG, plus a markdown table."""
+
+import json
+from pathlib import Path
+
+from .models import LABELS
+
+
+def load(results: Path, name: str) -> dict:
+    path = results / f"{name}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run `egmla bench {name}` first (or pass --results).")
+    return json.loads(path.read_text())
+
+
+def draw_figure(results: Path) -> tuple[Path, Path]:
+    """Writes `figure.png` and `figure.md` into `results`; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kv, decode, train = load(results, "kv"), load(results, "decode"), load(results, "train")
+    figure, axes = plt.subplots(1, 4, figsize=(20, 4.4))
+
+    # (a) held-out next-token accuracy vs training tokens
+    ax = axes[0]
+    for name, run in train["runs"].items():
+        tokens = [point["tokens"] / 1e6 for point in run["curve"]]
+        accuracy = [100 * point["accuracy"] for point in run["curve"]]
+        style = "--" if run["gate_embedding_dim"] == 0 else "-"
+        ax.plot(tokens, accuracy, style, marker="o", markersize=3, label=name)
+    ax.set(title="(a) accuracy vs training tokens", xlabel="training tokens (M)", ylabel="held-out next-token acc. (%)")
+    ax.legend(fontsize=7)
+
+    # (b) final held-out loss vs gate-table parameters; MLA (gate off) as a flat line
+    ax = axes[1]
+    egmla = [
+        run
+        for run in train["runs"].values()
+        if run["kv_lora_rank"] != max(r["kv_lora_rank"] for r in train["runs"].values())
+    ]
+    mla = [run for run in train["runs"].values() if run not in egmla]
+    ax.plot(
+        [r["gate_table_parameters"] / 1e3 for r in egmla],
+        [r["held_out_loss"] for r in egmla],
+        "o-",
+        label=f"EG-MLA, latent {egmla[0]['kv_lora_rank']}",
+    )
+    for run in mla:
+        ax.axhline(run["held_out_loss"], linestyle="--", color="gray", label=f"MLA, latent {run['kv_lora_rank']}")
+    ax.set(title="(b) loss vs gate embedding size", xlabel="gate-table parameters (K)", ylabel="held-out loss (nats)")
+    ax.legend(fontsize=7)
+
+    # (c) K/V cache elements per token
+    ax = axes[2]
+    names = list(kv["rows"])
+    values = [kv["rows"][name]["elements_per_token"] for name in names]
+    bars = ax.bar(range(len(names)), values, color=["#999999", "#4c72b0", "#dd8452", "#c44e52", "#8172b3"])
+    for bar, name in zip(bars, names, strict=True):
+        row = kv["rows"][name]
+        ax.text(
+            bar.get_x() + bar.get_width() / 2,
+            bar.get_height(),
+            f"{row['elements_per_token']:,.0f}\n{row['vs_mha']:+.1%}",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
+    ax.set_xticks(
+        range(len(names)), [LABELS[name].replace(" (transformers)", "\n(transformers)") for name in names], fontsize=7
+    )
+    ax.set(title=f"(c) KV cache elements per token ({kv['layers']} layers)", ylabel="elements / token")
+
+    # (d) decode latency: the largest context at batch 1
+    ax = axes[3]
+    row = max(
+        (r for r in decode["grid"] if r["batch"] == min(g["batch"] for g in decode["grid"])), key=lambda r: r["context"]
+    )
+    names = list(row["ms_per_token"])
+    bars = ax.bar(
+        range(len(names)), [row["ms_per_token"][n] for n in names], color=["#4c72b0", "#dd8452", "#999999", "#8172b3"]
+    )
+    for bar, name in zip(bars, names, strict=True):
+        ratio = row["ms_per_token"][name] / row["ms_per_token"]["mla-base"]
+        ax.text(
+            bar.get_x() + bar.get_width() / 2,
+            bar.get_height(),
+            f"{row['ms_per_token'][name]:.1f}\n{ratio:.2f}x",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
+    ax.set_xticks(
+        range(len(names)), [LABELS[name].replace(" (transformers)", "\n(transformers)") for name in names], fontsize=7
+    )
+    ax.set(title=f"(d) decode, batch {row['batch']}, context {row['context']} (CPU)", ylabel="ms / token")
+
+    figure.tight_layout()
+    png = results / "figure.png"
+    figure.savefig(png, dpi=80)
+    plt.close(figure)
+    markdown = results / "figure.md"
+    markdown.write_text(tables(kv, decode, train))
+    return png, markdown
+
+
+def tables(kv: dict, decode: dict, train: dict) -> str:
+    lines = [f"(c) K/V cache elements per token, {kv['layers']} layers, measured on real caches after generate:", ""]
+    lines += ["| model | elements/token | expected | vs MHA | vs MLA-Base |", "|---|---|---|---|---|"]
+    for row in kv["rows"].values():
+        lines.append(
+            f"| {row['label']} | {row['elements_per_token']:,.0f} | {row['expected']:,} | {row['vs_mha']:+.1%} "
+            f"| {row['vs_mla_base']:+.1%} |"
+        )
+    names = list(decode["grid"][0]["ms_per_token"])
+    lines += ["", f"(d) decode ms/token on the CPU, {decode['layers']} layers (ratio to MLA-Base):", ""]
+    lines += ["| batch | context | " + " | ".join(LABELS[n] for n in names) + " |", "|---|---|" + "---|" * len(names)]
+    for row in decode["grid"]:
+        mla = row["ms_per_token"]["mla-base"]
+        cells = [f"{row['ms_per_token'][n]:.1f} ({row['ms_per_token'][n] / mla:.2f}x)" for n in names]
+        lines.append(f"| {row['batch']} | {row['context']} | " + " | ".join(cells) + " |")
+    budget = decode["budget"]
+    lines += ["", f"Tokens/s with a {budget['mib']:g} MiB cache budget at context {budget['context']}:", ""]
+    lines += ["| model | sequences | ms/step | tokens/s |", "|---|---|---|---|"]
+    for name, row in budget["models"].items():
+        lines.append(f"| {LABELS[name]} | {row['sequences']} | {row['ms_per_step']:.1f} | {row['tokens_per_s']:.1f} |")
+    lines += ["", "(a, b) from-scratch training (held-out TinyStories):", ""]
+    lines += ["| run | latent | gate width | gate-table params | tokens | held-out loss | held-out accuracy |"]
+    lines += ["|---|---|---|---|---|---|---|"]
+    for name, run in train["runs"].items():
+        lines.append(
+            f"| {name} | {run['kv_lora_rank']} | {run['gate_embedding_dim']} | {run['gate_table_parameters']:,} "
+            f"| {run['tokens']:,} | {run['held_out_loss']:.4f} | {run['held_out_accuracy']:.4f} |"
+        )
+    return "\n".join(lines) + "\n"
