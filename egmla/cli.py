@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_options(retrofit, default_cut=0.6875)
     # Sized to finish in about 15 minutes on 2 CPU cores for SmolLM2-135M.
     add_text_options(retrofit, "--train-text", block_size=128, sampled_blocks=128)
-    add_finetune_options(retrofit, default_steps=120, batch_size=4, lr=5e-4, max_minutes=8.0)
+    add_finetune_options(retrofit, default_steps=80, batch_size=4, lr=2e-4, max_minutes=8.0)
 
     convert = commands.add_parser("convert", help="convert a Llama checkpoint into EG-MLA (no fine-tuning)")
     convert.add_argument("source", help="Llama folder, Hub id or .gguf file")

@@ -7,6 +7,7 @@ dn/dr/dv = qk_nope/qk_rope/v head dims, de = gate_embedding_dim.
 This file is also shipped as Hub remote code: it imports only torch, transformers and `configuration_egmla`.
 """
 
+import importlib.util
 import math
 from collections.abc import Callable
 
@@ -527,6 +528,18 @@ class EGMLAPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _supports_attention_backend = False  # the latent cache is private to this model
     _can_record_outputs = {"hidden_states": EGMLADecoderLayer, "attentions": EGMLAAttention}
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """Unless asked otherwise, decode through egmla's fused kernels when CUDA and Triton are present and the
+        kernels are registered (`import egmla`)."""
+        if (
+            requested_attention is None
+            and torch.cuda.is_available()
+            and importlib.util.find_spec("triton") is not None
+            and "egmla_fused" in ALL_ATTENTION_FUNCTIONS.valid_keys()
+        ):
+            return "egmla_fused"
+        return super().get_correct_attn_implementation(requested_attention, is_init_check)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -147,9 +147,8 @@ def test_compiled_path_equals_the_reference(monkeypatch, gate_position):
         assert relative_error(output, reference(module, *inputs)) <= 1e-4
 
 
-def tiny_model(gate_position: str, q_lora_rank: int | None) -> EGMLAForCausalLM:
-    torch.manual_seed(1)
-    config = EGMLAConfig(
+def tiny_config(gate_position: str, q_lora_rank: int | None) -> EGMLAConfig:
+    return EGMLAConfig(
         vocab_size=80,
         hidden_size=32,
         intermediate_size=48,
@@ -168,6 +167,11 @@ def tiny_model(gate_position: str, q_lora_rank: int | None) -> EGMLAForCausalLM:
         eos_token_id=2,
         pad_token_id=0,
     )
+
+
+def tiny_model(gate_position: str, q_lora_rank: int | None) -> EGMLAForCausalLM:
+    torch.manual_seed(1)
+    config = tiny_config(gate_position, q_lora_rank)
     model = EGMLAForCausalLM(config).eval()
     with torch.no_grad():
         for layer in model.model.layers:
@@ -256,3 +260,12 @@ def test_triton_leaves_steps_under_autograd_to_the_reference(monkeypatch):
     assert kernels.fused_decode(module, q_nope, q_rope, latent, rope_key, gate_embedding, mask[:, None]) is None
     with torch.no_grad():
         assert kernels.fused_decode(module, q_nope, q_rope, latent, rope_key, gate_embedding, mask[:, None]) is not None
+
+
+def test_egmla_fused_is_the_default_when_cuda_and_triton_are_present(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert EGMLAForCausalLM(tiny_config("kv", None)).config._attn_implementation == "sdpa"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert EGMLAForCausalLM(tiny_config("kv", None)).config._attn_implementation == "egmla_fused"
+    eager = EGMLAForCausalLM._from_config(tiny_config("kv", None), attn_implementation="eager")
+    assert eager.config._attn_implementation == "eager"  # an explicit choice wins
