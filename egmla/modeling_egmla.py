@@ -532,13 +532,15 @@ class EGMLAPreTrainedModel(PreTrainedModel):
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
         """Unless asked otherwise, decode through egmla's fused kernels when CUDA and Triton are present and the
         kernels are registered (`import egmla`)."""
-        if (
-            requested_attention is None
-            and torch.cuda.is_available()
-            and importlib.util.find_spec("triton") is not None
-            and "egmla_fused" in ALL_ATTENTION_FUNCTIONS.valid_keys()
-        ):
-            return "egmla_fused"
+        if requested_attention is None:
+            if not torch.cuda.is_available():
+                logger.info_once("EG-MLA decodes through the reference path: no CUDA (see egmla_fused for the CPU).")
+            elif importlib.util.find_spec("triton") is None:
+                logger.warning_once("EG-MLA decodes through the reference path: Triton is not installed.")
+            elif "egmla_fused" not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+                logger.warning_once("EG-MLA decodes through the reference path: `import egmla` registers its kernels.")
+            else:
+                return "egmla_fused"
         return super().get_correct_attn_implementation(requested_attention, is_init_check)
 
     @torch.no_grad()
