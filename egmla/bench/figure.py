@@ -70,6 +70,7 @@ def draw_figure(results: Path) -> tuple[Path, Path]:
     ax.set_xticks(
         range(len(names)), [LABELS[name].replace(" (transformers)", "\n(transformers)") for name in names], fontsize=7
     )
+    ax.set_ylim(top=max(values) * 1.2)  # room for the labels
     ax.set(title=f"(c) KV cache elements per token ({kv['layers']} layers)", ylabel="elements / token")
 
     # (d) decode latency: the largest context at batch 1
@@ -94,6 +95,7 @@ def draw_figure(results: Path) -> tuple[Path, Path]:
     ax.set_xticks(
         range(len(names)), [LABELS[name].replace(" (transformers)", "\n(transformers)") for name in names], fontsize=7
     )
+    ax.set_ylim(top=max(row["ms_per_token"].values()) * 1.2)
     ax.set(title=f"(d) decode, batch {row['batch']}, context {row['context']} (CPU)", ylabel="ms / token")
 
     figure.tight_layout()
