@@ -256,6 +256,14 @@ def eager_attention_forward(
     return attn_output.transpose(1, 2).contiguous(), attn_weights
 
 
+def linear_weight(linear: nn.Module, in_features: int, like: torch.Tensor) -> torch.Tensor:
+    """A Linear's effective weight [out, in]. Adapters (LoRA) and accelerate's offload hooks act only when the
+    module is called, so in their presence the weight is read by projecting the identity."""
+    if type(linear) is nn.Linear and not hasattr(linear, "_hf_hook"):
+        return linear.weight
+    return linear(torch.eye(in_features, device=like.device, dtype=like.dtype)).T
+
+
 def mask_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Applies a transformers mask (bool: True = attend; float: additive; None: causal) to scores [B, H, S, T]."""
     if attention_mask is None:
@@ -376,12 +384,8 @@ class EGMLAAttention(nn.Module):
         return torch.cat([k_nope, k_rope], dim=-1), value
 
     def kv_b_weight(self, like: torch.Tensor) -> torch.Tensor:
-        """W^{UKV} as [H, dn+dv, r]. Adapters (LoRA) and accelerate's offload hooks act only when the module is
-        called, so in their presence the weight is read by projecting the identity."""
-        if type(self.kv_b_proj) is nn.Linear and not hasattr(self.kv_b_proj, "_hf_hook"):
-            weight = self.kv_b_proj.weight
-        else:
-            weight = self.kv_b_proj(torch.eye(self.kv_lora_rank, device=like.device, dtype=like.dtype)).T
+        """W^{UKV} as [H, dn+dv, r]."""
+        weight = linear_weight(self.kv_b_proj, self.kv_lora_rank, like)
         return weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
 
     def absorbed_attention(

@@ -13,6 +13,19 @@ def load(results: Path, name: str) -> dict:
     return json.loads(path.read_text())
 
 
+COLORS = {"mha": "#999999", "mla-base": "#4c72b0", "egmla-kv64": "#dd8452", "egmla-kv16": "#c44e52"}
+
+
+def labelled_bars(ax, names: list[str], values: list[float], labels: list[str]) -> None:
+    """One bar per model, its label above it, model names under the axis."""
+    bars = ax.bar(range(len(names)), values, color=[COLORS.get(name, "#8172b3") for name in names])
+    for bar, label in zip(bars, labels, strict=True):
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), label, ha="center", va="bottom", fontsize=7)
+    ticks = [LABELS[name].replace(" (transformers)", "\n(transformers)") for name in names]
+    ax.set_xticks(range(len(names)), ticks, fontsize=7)
+    ax.set_ylim(top=max(values) * 1.2)  # room for the labels
+
+
 def draw_figure(results: Path) -> tuple[Path, Path]:
     """Writes `figure.png` and `figure.md` into `results`; returns their paths."""
     import matplotlib
@@ -53,50 +66,24 @@ def draw_figure(results: Path) -> tuple[Path, Path]:
     ax.legend(fontsize=7)
 
     # (c) K/V cache elements per token
-    ax = axes[2]
     names = list(kv["rows"])
-    values = [kv["rows"][name]["elements_per_token"] for name in names]
-    bars = ax.bar(range(len(names)), values, color=["#999999", "#4c72b0", "#dd8452", "#c44e52", "#8172b3"])
-    for bar, name in zip(bars, names, strict=True):
-        row = kv["rows"][name]
-        ax.text(
-            bar.get_x() + bar.get_width() / 2,
-            bar.get_height(),
-            f"{row['elements_per_token']:,.0f}\n{row['vs_mha']:+.1%}",
-            ha="center",
-            va="bottom",
-            fontsize=7,
-        )
-    ax.set_xticks(
-        range(len(names)), [LABELS[name].replace(" (transformers)", "\n(transformers)") for name in names], fontsize=7
+    labelled_bars(
+        axes[2],
+        names,
+        [kv["rows"][name]["elements_per_token"] for name in names],
+        [f"{kv['rows'][name]['elements_per_token']:,.0f}\n{kv['rows'][name]['vs_mha']:+.1%}" for name in names],
     )
-    ax.set_ylim(top=max(values) * 1.2)  # room for the labels
-    ax.set(title=f"(c) KV cache elements per token ({kv['layers']} layers)", ylabel="elements / token")
+    axes[2].set(title=f"(c) KV cache elements per token ({kv['layers']} layers)", ylabel="elements / token")
 
     # (d) decode latency: the largest context at batch 1
-    ax = axes[3]
-    row = max(
-        (r for r in decode["grid"] if r["batch"] == min(g["batch"] for g in decode["grid"])), key=lambda r: r["context"]
+    smallest_batch = min(r["batch"] for r in decode["grid"])
+    row = max((r for r in decode["grid"] if r["batch"] == smallest_batch), key=lambda r: r["context"])
+    ms = row["ms_per_token"]
+    names = list(ms)
+    labelled_bars(
+        axes[3], names, [ms[n] for n in names], [f"{ms[n]:.1f}\n{ms[n] / ms['mla-base']:.2f}x" for n in names]
     )
-    names = list(row["ms_per_token"])
-    bars = ax.bar(
-        range(len(names)), [row["ms_per_token"][n] for n in names], color=["#4c72b0", "#dd8452", "#999999", "#8172b3"]
-    )
-    for bar, name in zip(bars, names, strict=True):
-        ratio = row["ms_per_token"][name] / row["ms_per_token"]["mla-base"]
-        ax.text(
-            bar.get_x() + bar.get_width() / 2,
-            bar.get_height(),
-            f"{row['ms_per_token'][name]:.1f}\n{ratio:.2f}x",
-            ha="center",
-            va="bottom",
-            fontsize=7,
-        )
-    ax.set_xticks(
-        range(len(names)), [LABELS[name].replace(" (transformers)", "\n(transformers)") for name in names], fontsize=7
-    )
-    ax.set_ylim(top=max(row["ms_per_token"].values()) * 1.2)
-    ax.set(title=f"(d) decode, batch {row['batch']}, context {row['context']} (CPU)", ylabel="ms / token")
+    axes[3].set(title=f"(d) decode, batch {row['batch']}, context {row['context']} (CPU)", ylabel="ms / token")
 
     figure.tight_layout()
     png = results / "figure.png"

@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..modeling_egmla import linear_weight
 from . import fused_torch
 
 logger = logging.getLogger(__name__)
@@ -103,14 +104,6 @@ def bool_mask(attention_mask: torch.Tensor | None, batch_size: int, query_length
     if attention_mask.dtype != torch.bool:
         attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
     return attention_mask[:, 0, -query_length:, -key_length:].expand(batch_size, query_length, key_length)
-
-
-def linear_weight(linear: torch.nn.Module, in_features: int, like: torch.Tensor) -> torch.Tensor:
-    """A Linear's effective weight [out, in]. Adapters (LoRA) and accelerate's hooks act only when the module is
-    called, so in their presence the weight is read by projecting the identity."""
-    if type(linear) is torch.nn.Linear and not hasattr(linear, "_hf_hook"):
-        return linear.weight
-    return linear(torch.eye(in_features, device=like.device, dtype=like.dtype)).T
 
 
 def fused_decode(
