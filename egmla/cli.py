@@ -79,6 +79,9 @@ def add_finetune_options(
     parser.add_argument("--eval-every", type=int, default=100, help="held-out perplexity every N steps (0 = never)")
     parser.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (0 = only at the end)")
     parser.add_argument("--max-minutes", type=float, default=max_minutes, help="stop fine-tuning after this long")
+    parser.add_argument(
+        "--grad-accum", type=int, default=1, help="micro-batches per optimizer step on each process (default 1)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +202,7 @@ def finetune_settings(args: argparse.Namespace, checkpoint_dir: Path | None, res
         resume=resume,
         seed=args.seed,
         max_minutes=args.max_minutes,
+        gradient_accumulation_steps=args.grad_accum,
     )
 
 

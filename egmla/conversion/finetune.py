@@ -6,6 +6,7 @@ Built on accelerate: one process here, `accelerate launch` for several. Checkpoi
 the batch of every step is a function of (seed, step), so a resumed run sees the same data.
 """
 
+import contextlib
 import json
 import math
 import shutil
@@ -48,6 +49,7 @@ class FinetuneSettings:
     resume: bool = False
     seed: int = 0
     max_minutes: float | None = None  # stop early (and say so) once this much wall time is spent
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step on each process
 
 
 @dataclass
@@ -137,6 +139,8 @@ def finetune(
         raise ValueError("resume=True needs a checkpoint_dir.")
     if settings.steps <= 0:
         raise ValueError(f"steps must be positive, got {settings.steps}.")
+    if settings.gradient_accumulation_steps <= 0:
+        raise ValueError(f"gradient_accumulation_steps must be positive, got {settings.gradient_accumulation_steps}.")
 
     # One scheduler step per optimizer step, however many processes (accelerate would step it once per process).
     accelerator = Accelerator(step_scheduler_with_optimizer=False)
@@ -180,27 +184,37 @@ def finetune(
         disable=not accelerator.is_local_main_process,
     )
     step = start_step
+    micro_batches = settings.gradient_accumulation_steps
     for step in bar:
-        rows = batch_indices(step, len(train_blocks), settings.batch_size, settings.seed, accelerator.process_index)
-        batch = train_blocks[rows]
-        batch = batch.to(accelerator.device)
-        outputs = model(input_ids=batch, labels=batch if settings.ce_weight > 0 else None, use_cache=False)
-        loss = torch.zeros((), device=accelerator.device)
-        if settings.distill_weight > 0:
-            with torch.no_grad():
-                teacher_logits = teacher(batch, use_cache=False).logits
-            loss = loss + settings.distill_weight * distillation_loss(
-                outputs.logits, teacher_logits, settings.temperature
-            )
-        if settings.ce_weight > 0:
-            loss = loss + settings.ce_weight * outputs.loss
-        accelerator.backward(loss)
+        step_loss = torch.zeros((), device=accelerator.device)
+        for micro in range(micro_batches):
+            # Micro-batch j of process p draws the rows of "process" p * k + j: one process accumulating k
+            # micro-batches sees exactly the samples of k data-parallel processes.
+            source = accelerator.process_index * micro_batches + micro
+            rows = batch_indices(step, len(train_blocks), settings.batch_size, settings.seed, source)
+            batch = train_blocks[rows].to(accelerator.device)
+            outputs = model(input_ids=batch, labels=batch if settings.ce_weight > 0 else None, use_cache=False)
+            loss = torch.zeros((), device=accelerator.device)
+            if settings.distill_weight > 0:
+                with torch.no_grad():
+                    teacher_logits = teacher(batch, use_cache=False).logits
+                loss = loss + settings.distill_weight * distillation_loss(
+                    outputs.logits, teacher_logits, settings.temperature
+                )
+            if settings.ce_weight > 0:
+                loss = loss + settings.ce_weight * outputs.loss
+            # Gradients are synchronized across processes on the last micro-batch only.
+            sync = contextlib.nullcontext() if micro == micro_batches - 1 else accelerator.no_sync(model)
+            with sync:
+                accelerator.backward(loss / micro_batches)
+            step_loss = step_loss + loss.detach() / micro_batches
         accelerator.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        history.append({"step": step + 1, "loss": loss.item()})
-        bar.set_postfix(loss=f"{loss.item():.4f}")
+        logged = accelerator.reduce(step_loss, reduction="mean").item()  # the loss of the whole global batch
+        history.append({"step": step + 1, "loss": logged})
+        bar.set_postfix(loss=f"{logged:.4f}")
 
         done = step + 1
         if eval_blocks is not None and settings.eval_every and done % settings.eval_every == 0:

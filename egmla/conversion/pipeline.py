@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 from transformers import AutoModelForCausalLM
 
 from ..measure import kv_values_per_token
@@ -197,12 +198,15 @@ def run_finetune(
         "stopped_early": result.stopped_early,
         "settings": settings_summary(settings),
     }
-    with atomic_folder(out, overwrite, inputs) as staging:
-        result.model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / "finetune_report.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(
-        f"held-out perplexity {summary['perplexity']['before']:.3f} -> {summary['perplexity']['after']:.3f}; "
-        f"saved {out}"
-    )
+    state = PartialState()  # under `accelerate launch`, every process trained the same model: one writes it
+    if state.is_main_process:
+        with atomic_folder(out, overwrite, inputs) as staging:
+            result.model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            (staging / "finetune_report.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(
+            f"held-out perplexity {summary['perplexity']['before']:.3f} -> {summary['perplexity']['after']:.3f}; "
+            f"saved {out}"
+        )
+    state.wait_for_everyone()
     return summary
