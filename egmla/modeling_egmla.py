@@ -264,16 +264,18 @@ def linear_weight(linear: nn.Module, in_features: int, like: torch.Tensor) -> to
     return linear(torch.eye(in_features, device=like.device, dtype=like.dtype)).T
 
 
+def causal_mask(query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
+    """What a `None` transformers mask means: bool [S, T], query i sits at position key_length - query_length + i."""
+    return torch.ones(query_length, key_length, dtype=torch.bool, device=device).tril(key_length - query_length)
+
+
 def mask_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Applies a transformers mask (bool: True = attend; float: additive; None: causal) to scores [B, H, S, T]."""
     if attention_mask is None:
         query_length, key_length = scores.shape[-2:]
         if query_length == 1:
             return scores
-        # None means plain causal: query i sits at position key_length - query_length + i.
-        attention_mask = torch.ones(query_length, key_length, dtype=torch.bool, device=scores.device).tril(
-            key_length - query_length
-        )
+        attention_mask = causal_mask(query_length, key_length, scores.device)
     if attention_mask.dtype == torch.bool:
         return scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     return scores + attention_mask

@@ -18,7 +18,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..modeling_egmla import linear_weight
+from ..modeling_egmla import causal_mask, linear_weight
 from . import fused_torch
 
 logger = logging.getLogger(__name__)
@@ -98,9 +98,7 @@ def compiled(name: str):
 def bool_mask(attention_mask: torch.Tensor | None, batch_size: int, query_length: int, key_length: int, device):
     """A transformers mask (None: causal; bool [B, 1, S, T]; additive float) as bool [B, S, T], True = attend."""
     if attention_mask is None:
-        positions = torch.arange(key_length, device=device)
-        limits = torch.arange(query_length, device=device) + key_length - query_length
-        return (positions[None, :] <= limits[:, None]).expand(batch_size, query_length, key_length)
+        return causal_mask(query_length, key_length, device).expand(batch_size, query_length, key_length)
     if attention_mask.dtype != torch.bool:
         attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
     return attention_mask[:, 0, -query_length:, -key_length:].expand(batch_size, query_length, key_length)
