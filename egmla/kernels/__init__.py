@@ -74,7 +74,7 @@ def implementation(backend: str):
 # Dims that change from step to step (batch, new tokens, context); weights and head dims stay static, so each
 # layer shape compiles once and a growing context does not recompile.
 DYNAMIC_DIMS = {
-    "decode_kv": {0: (0, 2), 1: (0, 1), 2: (0, 1), 3: (0, 1), 8: (0, 1, 2)},
+    "decode_kv": {0: (0, 2), 1: (0, 1), 2: (0, 1), 3: (0,), 4: (0, 1), 9: (0, 1, 2)},
     "decode_latent": {0: (0, 2), 1: (0, 2), 2: (0, 1), 3: (0, 1), 4: (0, 1, 2)},
 }
 
@@ -104,6 +104,32 @@ def bool_mask(attention_mask: torch.Tensor | None, batch_size: int, query_length
     return attention_mask[:, 0, -query_length:, -key_length:].expand(batch_size, query_length, key_length)
 
 
+# Above this share of distinct tokens in the context, gathering the gate per position costs more than it saves.
+DISTINCT_TOKEN_SHARE = 0.75
+
+
+def distinct_gate_rows(
+    gate_embedding: torch.Tensor, token_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gate-table rows of the context's distinct tokens [U, de] and the row of every position [B, T].
+
+    Real text repeats its tokens (2048 TinyStories tokens hold ~500 distinct ones), so the gate product, most of
+    the arithmetic of a decode step, is computed once per distinct token. Without ids, or with few repeats, the
+    rows are returned one per position [B*T, de] with no index.
+    """
+    batch_size, key_length, width = gate_embedding.shape
+    rows = gate_embedding.reshape(batch_size * key_length, width)
+    if token_ids is None or token_ids.shape != (batch_size, key_length):
+        return rows, None
+    distinct, index = torch.unique(token_ids, return_inverse=True)
+    if distinct.numel() > DISTINCT_TOKEN_SHARE * token_ids.numel():
+        return rows, None
+    positions = torch.arange(rows.shape[0], device=rows.device)
+    # Every position of a token holds the same row; the scatter keeps one of them.
+    some_position = torch.empty_like(distinct).scatter_(0, index.flatten(), positions)
+    return rows[some_position], index
+
+
 def fused_decode(
     module: torch.nn.Module,
     q_nope: torch.Tensor,
@@ -112,10 +138,12 @@ def fused_decode(
     rope_key: torch.Tensor,
     gate_embedding: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
+    token_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One decode step of an `EGMLAAttention` over its cache: [B, S, H, dv], or None for the reference path.
 
-    q_nope [B, H, S, dn], q_rope [B, H, S, dr] (rotated), latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr].
+    q_nope [B, H, S, dn], q_rope [B, H, S, dr] (rotated), latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr];
+    for gate_position="kv", gate_embedding [B, T, de] holds the gate-table rows of the context's token_ids [B, T].
     """
     backend = choose_backend(latent.device)
     if backend == "reference" or (backend == "compiled" and _compile_failed):
@@ -136,21 +164,19 @@ def fused_decode(
             gate_weight = None
             if gate is not None:
                 gate_weight = linear_weight(gate, gate.in_features, latent).view(heads, weight.shape[1], -1)
-            arguments = (
-                torch.cat([q_nope, q_rope], dim=-1),
-                latent,
-                rope_key,
-                gate_embedding,
-                weight,
-                gate_weight,
-                module.gate_norm.weight if module.gate_norm is not None else None,
-                module.gate_norm.variance_epsilon if module.gate_norm is not None else 0.0,
-                mask,
-                module.scaling,
-                module.qk_nope_head_dim,
-                module.rope_key_heads,
-            )
-            function = compiled("decode_kv") if backend == "compiled" else implementation(backend).decode_kv
+            query = torch.cat([q_nope, q_rope], dim=-1)
+            norm = module.gate_norm
+            weights = (weight, gate_weight, norm.weight if norm is not None else None)
+            weights += (norm.variance_epsilon if norm is not None else 0.0,)
+            settings = (mask, module.scaling, module.qk_nope_head_dim, module.rope_key_heads)
+            if backend == "triton":
+                function, arguments = implementation(backend).decode_kv, (query, latent, rope_key, gate_embedding)
+            else:
+                gate_rows, gate_index = (None, None)
+                if gate_weight is not None:
+                    gate_rows, gate_index = distinct_gate_rows(gate_embedding, token_ids)
+                function, arguments = compiled("decode_kv"), (query, latent, rope_key, gate_rows, gate_index)
+            arguments = arguments + weights + settings
             return function(*arguments)
         # gate_position="latent": the cached latent is already gated; fold W^{UK} into the query.
         w_uk, w_uv = weight.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)

@@ -11,7 +11,8 @@ def decode_kv(
     query: torch.Tensor,
     latent: torch.Tensor,
     rope_key: torch.Tensor,
-    gate_embedding: torch.Tensor | None,
+    gate_rows: torch.Tensor | None,
+    gate_index: torch.Tensor | None,
     kv_weight: torch.Tensor,
     gate_weight: torch.Tensor | None,
     norm_weight: torch.Tensor | None,
@@ -24,18 +25,23 @@ def decode_kv(
     """Attention of new queries over a latent cache with the gate on the per-head keys and values.
 
     query [B, H, S, dn+dr] (rope part rotated), latent [B, T, r], rope_key [B, T, Hr*dr] (rotated),
-    gate_embedding [B, T, de] (the gate-table rows of the cached tokens), kv_weight W^{UKV} [H, dn+dv, r],
+    gate_rows [U, de]: gate-table rows, one per distinct cached token (gate_index [B, T] says which row each
+    position uses) or, with gate_index None, one per position (U = B*T); kv_weight W^{UKV} [H, dn+dv, r],
     gate_weight W^{UE} [H, dn+dv, de], norm_weight [dn+dv], mask [B, S, T] bool (True = attend).
     Returns [B, S, H, dv].
     """
     batch_size, heads, query_length, _ = query.shape
     key_length = latent.shape[1]
-    kv = torch.einsum("btr,hcr->bhtc", latent, kv_weight)  # [B, H, T, dn+dv]
+    kv = torch.matmul(latent, kv_weight.flatten(0, 1).t()).view(batch_size, key_length, heads, -1)  # [B, T, H, C]
     if gate_weight is not None:
-        kv = kv * (1 + torch.einsum("bte,hce->bhtc", gate_embedding, gate_weight))
+        # The gate depends on the token only: one product per distinct token, gathered per position.
+        gate = torch.matmul(gate_rows, gate_weight.flatten(0, 1).t()).view(-1, heads, kv.shape[-1])  # [U, H, C]
+        gate = gate.view(batch_size, key_length, heads, -1) if gate_index is None else gate[gate_index]
+        kv = kv * (1 + gate)
     if norm_weight is not None:
         variance = kv.float().pow(2).mean(-1, keepdim=True)
         kv = norm_weight * (kv.float() * torch.rsqrt(variance + norm_eps)).to(kv.dtype)
+    kv = kv.transpose(1, 2)  # [B, H, T, C]
     key_nope, value = kv[..., :nope_dim], kv[..., nope_dim:]
     query_nope, query_rope = query[..., :nope_dim], query[..., nope_dim:]
     rope_dim = query_rope.shape[-1]
