@@ -66,6 +66,9 @@ class EGMLAConfig(PreTrainedConfig):
         gate_norm: `"rms"` normalizes the gated vectors (per head for `"kv"`, over the latent for `"latent"`);
             `"none"` leaves them as they are.
         gate_layers_per_table: how many consecutive layers share one gate table (1 = one table per layer).
+        offload_gate_tables: keep the gate tables in CPU memory (pinned when CUDA is present) wherever the rest of
+            the model is moved or loaded; each forward moves over only the rows of the distinct tokens it sees.
+            Also a load-time option: `from_pretrained(folder, offload_gate_tables=True)`.
         kv_latent_norm: RMSNorm on the latent before caching (DeepSeek's `kv_a_layernorm`).
         rope_parameters: transformers rope parameters (`rope_type` default, linear, dynamic, yarn, llama3, ...).
         rope_frequency_dim: rotary width whose frequencies the rope dims use (None = `qk_rope_head_dim`). A model
@@ -101,6 +104,7 @@ class EGMLAConfig(PreTrainedConfig):
     gate_position: str = "kv"
     gate_norm: str = "rms"
     gate_layers_per_table: int = 1
+    offload_gate_tables: bool = False
     kv_latent_norm: bool = True
     hidden_act: str = "silu"
     max_position_embeddings: int = 2048

@@ -125,7 +125,42 @@ class EGMLAMLP(nn.Module):
 
 class EGMLAGateTable(nn.Embedding):
     """E^{(k)}: one gate-embedding row per token id. Rows start with unit variance so that the zero-initialised
-    up-projection receives gradients of a normal size."""
+    up-projection receives gradients of a normal size.
+
+    Offloaded (RWKV-8's DeepEmbed), the table stays in CPU memory whatever device the model goes to, and a forward
+    gathers the rows of the distinct tokens in flight and moves only those; gradients flow back to the CPU rows.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, offload: bool = False):
+        super().__init__(num_embeddings, embedding_dim)
+        self.offload = offload
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if not self.offload:
+            return super().forward(token_ids)
+        distinct, index = torch.unique(token_ids, return_inverse=True)
+        rows = nn.functional.embedding(distinct.to(self.weight.device), self.weight)  # [U, de], in CPU memory
+        return rows.to(token_ids.device)[index]
+
+    def _apply(self, fn, recurse: bool = True):
+        if not self.offload or self.weight.is_meta:  # a meta table is still being loaded: placed afterwards
+            return super()._apply(fn, recurse)
+        # Moved with the model: keep a change of dtype, stay in CPU memory.
+        dtype = fn(torch.empty(0, dtype=self.weight.dtype)).dtype
+        return super()._apply(lambda tensor: cpu_memory(tensor.to(dtype=dtype)), recurse)
+
+    def place_in_cpu_memory(self) -> None:
+        """Back to CPU memory after a load that placed the table elsewhere (a `device_map`)."""
+        if self.offload and not self.weight.is_meta:
+            self._apply(lambda tensor: tensor)
+
+
+def cpu_memory(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor in CPU memory, pinned when CUDA is present so that rows copy over asynchronously."""
+    tensor = tensor.to("cpu")
+    if torch.cuda.is_available() and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor
 
 
 class EGMLAGateProjection(nn.Linear):
@@ -429,9 +464,11 @@ class EGMLAAttention(nn.Module):
         attention_mask: torch.Tensor | None,
         cache: Cache | None = None,
         gate_embedding: torch.Tensor | None = None,
+        gate_token_ids: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """gate_embedding: [B, T, de] (the whole context) for `gate_position="kv"`, [B, S, de] for `"latent"`."""
+        """gate_embedding: [B, T, de] (the whole context) for `gate_position="kv"`, [B, S, de] for `"latent"`;
+        gate_token_ids: the token ids of those rows (a fused kernel computes the gate once per distinct token)."""
         batch_size, seq_length = hidden_states.shape[:-1]
 
         query = self.project_query(hidden_states).view(batch_size, seq_length, self.num_heads, self.qk_head_dim)
@@ -464,7 +501,9 @@ class EGMLAAttention(nn.Module):
             implementation = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation)
             fused_decode = getattr(implementation, "egmla_decode", None)
             if fused_decode is not None:
-                fused_output = fused_decode(self, q_nope, q_rope, latent, rope_key, gate_embedding, attention_mask)
+                fused_output = fused_decode(
+                    self, q_nope, q_rope, latent, rope_key, gate_embedding, attention_mask, token_ids=gate_token_ids
+                )
 
         if fused_output is not None:
             attn_output, attn_weights = fused_output, None
@@ -508,6 +547,7 @@ class EGMLADecoderLayer(GradientCheckpointingLayer):
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         gate_embedding: torch.Tensor | None = None,
+        gate_token_ids: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
@@ -517,6 +557,7 @@ class EGMLADecoderLayer(GradientCheckpointingLayer):
             attention_mask=attention_mask,
             cache=cache,
             gate_embedding=gate_embedding,
+            gate_token_ids=gate_token_ids,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -549,6 +590,25 @@ class EGMLAPreTrainedModel(PreTrainedModel):
                 return "egmla_fused"
         return super().get_correct_attn_implementation(requested_attention, is_init_check)
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`; with `offload_gate_tables`, the tables end in CPU memory whatever the
+        `device_map` said."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        for module in model.modules():
+            if isinstance(module, EGMLAGateTable):
+                module.place_in_cpu_memory()
+        return loaded
+
+    def parameter_bytes_by_device(self) -> dict[str, int]:
+        """Bytes of parameters on each device: the accelerator's share leaves out offloaded gate tables."""
+        sizes: dict[str, int] = {}
+        for parameter in self.parameters():
+            device = str(parameter.device)
+            sizes[device] = sizes.get(device, 0) + parameter.numel() * parameter.element_size()
+        return sizes
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         # Leaf modules only: as remote code, modules without parameters of their own are skipped.
@@ -568,7 +628,8 @@ class EGMLAModel(EGMLAPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         # E^{(k)}: one gate table per group of `gate_layers_per_table` layers (none when the gate is off).
         self.gate_embeddings = nn.ModuleList(
-            EGMLAGateTable(config.vocab_size, config.gate_embedding_dim) for _ in range(config.num_gate_tables)
+            EGMLAGateTable(config.vocab_size, config.gate_embedding_dim, offload=config.offload_gate_tables)
+            for _ in range(config.num_gate_tables)
         )
         self.layers = nn.ModuleList(EGMLADecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = EGMLARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -641,7 +702,7 @@ class EGMLAModel(EGMLAPreTrainedModel):
             position_ids=position_ids,
         )
 
-        gate_embeddings = []
+        gate_embeddings, token_ids = [], None
         if self.config.gate_enabled:
             token_ids = self.context_token_ids(input_ids, cache)
             gate_embeddings = [table(token_ids) for table in self.gate_embeddings]  # each [B, T or S, de]
@@ -660,6 +721,7 @@ class EGMLAModel(EGMLAPreTrainedModel):
                 use_cache=use_cache,
                 position_embeddings=position_embeddings,
                 gate_embedding=gate_embedding,
+                gate_token_ids=token_ids,
                 **kwargs,
             )
 
