@@ -12,6 +12,7 @@ import argparse
 import torch
 
 from egmla import EGMLAConfig, EGMLAForCausalLM
+from egmla.measure import parameter_bytes_by_device
 
 
 def mib(size: int) -> str:
@@ -34,7 +35,7 @@ def main() -> None:
             model = EGMLAForCausalLM(config)
         model.to_empty(device="cpu")
         model.to(device=args.device, dtype=dtype)
-        sizes = model.parameter_bytes_by_device()
+        sizes = parameter_bytes_by_device(model)
         accelerator = sum(size for device, size in sizes.items() if device != "cpu")
         cpu = sizes.get("cpu", 0)
         label = "offloaded" if offload else "resident"

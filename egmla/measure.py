@@ -35,3 +35,12 @@ def kv_values_per_token(model: torch.nn.Module, prompt: torch.Tensor, new_tokens
     itemsize = cache.layers[0].keys.element_size()
     values = (cache_nbytes(cache) - ids_bytes) / itemsize / tokens / len(cache.layers)
     return {"values_per_token_per_layer": values, "token_id_bytes_per_token": ids_bytes / tokens}
+
+
+def parameter_bytes_by_device(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of parameters on each device: the accelerator's share leaves out offloaded gate tables."""
+    sizes: dict[str, int] = {}
+    for parameter in model.parameters():
+        device = str(parameter.device)
+        sizes[device] = sizes.get(device, 0) + parameter.numel() * parameter.element_size()
+    return sizes

@@ -128,31 +128,46 @@ class EGMLAGateTable(nn.Embedding):
     up-projection receives gradients of a normal size.
 
     Offloaded (RWKV-8's DeepEmbed), the table stays in CPU memory whatever device the model goes to, and a forward
-    gathers the rows of the distinct tokens in flight and moves only those; gradients flow back to the CPU rows.
+    gathers the rows of the distinct tokens in flight and moves only those; gradients flow back to the CPU rows
+    (one process: DDP and FSDP expect every parameter on the accelerator).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, offload: bool = False):
-        super().__init__(num_embeddings, embedding_dim)
+    def __init__(self, num_embeddings: int, embedding_dim: int, offload: bool = False, **kwargs):
+        super().__init__(num_embeddings, embedding_dim, **kwargs)
         self.offload = offload
 
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", offload=True" if self.offload else "")
+
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        if not self.offload:
+        if not getattr(self, "offload", False):
             return super().forward(token_ids)
-        distinct, index = torch.unique(token_ids, return_inverse=True)
-        rows = nn.functional.embedding(distinct.to(self.weight.device), self.weight)  # [U, de], in CPU memory
-        return rows.to(token_ids.device)[index]
+        distinct, index = torch.unique(token_ids.to(self.weight.device), return_inverse=True)
+        rows = nn.functional.embedding(distinct, self.weight)  # [U, de], in CPU memory
+        if token_ids.device.type == "cuda" and not (torch.is_grad_enabled() and rows.requires_grad):
+            rows = rows.pin_memory()  # an asynchronous copy (autograd needs the plain one)
+        return rows.to(token_ids.device, non_blocking=True)[index.to(token_ids.device)]
 
     def _apply(self, fn, recurse: bool = True):
-        if not self.offload or self.weight.is_meta:  # a meta table is still being loaded: placed afterwards
+        if not getattr(self, "offload", False) or self.weight.is_meta:  # being built or loaded: placed afterwards
             return super()._apply(fn, recurse)
-        # Moved with the model: keep a change of dtype, stay in CPU memory.
-        dtype = fn(torch.empty(0, dtype=self.weight.dtype)).dtype
-        return super()._apply(lambda tensor: cpu_memory(tensor.to(dtype=dtype)), recurse)
+        target = fn(torch.empty(0, dtype=self.weight.dtype))
+        if target.device.type == "cpu":  # a change of dtype, share_memory, to_empty: as asked
+            return super()._apply(lambda tensor: cpu_memory(fn(tensor)), recurse)
+        # A move to an accelerator: keep the change of dtype, stay in CPU memory.
+        return super()._apply(lambda tensor: cpu_memory(tensor.to(dtype=target.dtype)), recurse)
 
     def place_in_cpu_memory(self) -> None:
         """Back to CPU memory after a load that placed the table elsewhere (a `device_map`)."""
-        if self.offload and not self.weight.is_meta:
-            self._apply(lambda tensor: tensor)
+        if not getattr(self, "offload", False):
+            return
+        if self.weight.is_meta:  # accelerate's CPU offload: it would copy the whole table over at every call
+            raise ValueError(
+                "offload_gate_tables keeps the gate tables in CPU memory itself: leave them out of accelerate's "
+                "offload (give the model one device, e.g. device_map='cuda', or map `model.gate_embeddings` to "
+                "the accelerator and let the option move it)."
+            )
+        self._apply(lambda tensor: tensor)
 
 
 def cpu_memory(tensor: torch.Tensor) -> torch.Tensor:
@@ -501,8 +516,10 @@ class EGMLAAttention(nn.Module):
             implementation = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation)
             fused_decode = getattr(implementation, "egmla_decode", None)
             if fused_decode is not None:
+                # Older kernels take no token ids (remote code may meet an older installed egmla).
+                ids = {"token_ids": gate_token_ids} if getattr(fused_decode, "takes_token_ids", False) else {}
                 fused_output = fused_decode(
-                    self, q_nope, q_rope, latent, rope_key, gate_embedding, attention_mask, token_ids=gate_token_ids
+                    self, q_nope, q_rope, latent, rope_key, gate_embedding, attention_mask, **ids
                 )
 
         if fused_output is not None:
@@ -600,14 +617,6 @@ class EGMLAPreTrainedModel(PreTrainedModel):
             if isinstance(module, EGMLAGateTable):
                 module.place_in_cpu_memory()
         return loaded
-
-    def parameter_bytes_by_device(self) -> dict[str, int]:
-        """Bytes of parameters on each device: the accelerator's share leaves out offloaded gate tables."""
-        sizes: dict[str, int] = {}
-        for parameter in self.parameters():
-            device = str(parameter.device)
-            sizes[device] = sizes.get(device, 0) + parameter.numel() * parameter.element_size()
-        return sizes
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -304,3 +304,10 @@ def test_egmla_fused_is_the_default_when_cuda_and_triton_are_present(monkeypatch
     assert EGMLAForCausalLM(tiny_config("kv", None)).config._attn_implementation == "egmla_fused"
     eager = EGMLAForCausalLM._from_config(tiny_config("kv", None), attn_implementation="eager")
     assert eager.config._attn_implementation == "eager"  # an explicit choice wins
+
+
+def test_distinct_gate_rows_takes_int32_token_ids():
+    token_ids = torch.tensor([[3, 5, 3, 3, 5, 3, 5, 5]], dtype=torch.int32)
+    gate_embedding = torch.randn(8, 4)[token_ids]
+    rows, index = kernels.distinct_gate_rows(gate_embedding, token_ids)
+    assert rows.shape == (2, 4) and torch.equal(rows[index], gate_embedding)

@@ -9,6 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from egmla import LORA_TARGET_MODULES, EGMLAForCausalLM, gate_table_names
+from egmla.measure import parameter_bytes_by_device
 from egmla.modeling_egmla import EGMLAGateTable
 from tests.conftest import tiny_model
 
@@ -54,7 +55,7 @@ def test_tables_stay_in_cpu_memory_when_the_model_moves():
     model.to("meta")
     assert all(table.weight.device.type == "cpu" for table in model.model.gate_embeddings)
     assert model.model.layers[0].self_attn.kv_b_proj.weight.device.type == "meta"
-    assert model.parameter_bytes_by_device() == {"meta": total - tables, "cpu": tables}
+    assert parameter_bytes_by_device(model) == {"meta": total - tables, "cpu": tables}
     model.to(torch.bfloat16)  # a change of dtype is kept
     assert model.model.gate_embeddings[0].weight.dtype == torch.bfloat16
     assert model.model.gate_embeddings[0].weight.device.type == "cpu"
@@ -119,3 +120,29 @@ def test_peft_lora_trains_offloaded_tables_as_modules_to_save():
     assert tables and all(t.offload and t.weight.device.type == "cpu" for t in tables)
     for (name, expected), (_, parameter) in zip(model.named_parameters(), offloaded.named_parameters(), strict=True):
         torch.testing.assert_close(parameter, expected, rtol=0, atol=1e-6, msg=name)
+
+
+def test_the_table_follows_cpu_side_operations_and_refuses_accelerate_offload():
+    table = offloaded_copy(tiny_model()).model.gate_embeddings[0]
+    table.share_memory()  # a CPU-side operation is applied as asked
+    assert table.weight.is_shared()
+    table.weight = torch.nn.Parameter(torch.empty_like(table.weight, device="meta"))  # what accelerate's offload leaves
+    with pytest.raises(ValueError, match="leave them out of accelerate's offload"):
+        table.place_in_cpu_memory()
+
+
+def test_finetune_refuses_offloaded_tables_in_several_processes(monkeypatch):
+    from accelerate import Accelerator
+
+    from egmla.conversion import finetune as finetune_module
+
+    class TwoProcesses(Accelerator):
+        num_processes = 2
+
+    monkeypatch.setattr(finetune_module, "Accelerator", TwoProcesses)
+    student = offloaded_copy(tiny_model())
+    blocks = torch.randint(3, 40, (4, 16))
+    with pytest.raises(ValueError, match="one process only"):
+        finetune_module.finetune(
+            student, None, blocks, finetune_module.FinetuneSettings(steps=1, distill_weight=0.0, ce_weight=1.0)
+        )

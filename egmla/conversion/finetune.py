@@ -144,6 +144,11 @@ def finetune(
 
     # One scheduler step per optimizer step, however many processes (accelerate would step it once per process).
     accelerator = Accelerator(step_scheduler_with_optimizer=False)
+    if accelerator.num_processes > 1 and getattr(student.config, "offload_gate_tables", False):
+        raise ValueError(
+            "offload_gate_tables trains in one process only (DDP and FSDP expect every parameter on the "
+            "accelerator): load the student without it, or run one process with --grad-accum."
+        )
     torch.manual_seed(settings.seed)
     if settings.attention_only and settings.lora:
         raise ValueError("attention_only and lora are exclusive: LoRA already chooses what it trains.")

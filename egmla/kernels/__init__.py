@@ -126,7 +126,7 @@ def distinct_gate_rows(
         return rows, None
     positions = torch.arange(rows.shape[0], device=rows.device)
     # Every position of a token holds the same row; the scatter keeps one of them.
-    some_position = torch.empty_like(distinct).scatter_(0, index.flatten(), positions)
+    some_position = positions.new_empty(distinct.shape).scatter_(0, index.flatten(), positions)
     return rows[some_position], index
 
 
@@ -158,6 +158,9 @@ def fused_decode(
     mask = bool_mask(attention_mask, batch_size, query_length, key_length, latent.device)
     latent, rope_key = latent[:, 0], rope_key[:, 0]
     weight = module.kv_b_weight(like=latent)  # [H, dn+dv, r]
+    gate_rows, gate_index = None, None
+    if backend == "compiled" and module.gate_position == "kv" and module.gate_embedding_proj is not None:
+        gate_rows, gate_index = distinct_gate_rows(gate_embedding, token_ids)
     try:
         if module.gate_position == "kv":
             gate = module.gate_embedding_proj
@@ -172,9 +175,6 @@ def fused_decode(
             if backend == "triton":
                 function, arguments = implementation(backend).decode_kv, (query, latent, rope_key, gate_embedding)
             else:
-                gate_rows, gate_index = (None, None)
-                if gate_weight is not None:
-                    gate_rows, gate_index = distinct_gate_rows(gate_embedding, token_ids)
                 function, arguments = compiled("decode_kv"), (query, latent, rope_key, gate_rows, gate_index)
             arguments = arguments + weights + settings
             return function(*arguments)
@@ -206,6 +206,7 @@ def egmla_fused_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+fused_decode.takes_token_ids = True
 egmla_fused_attention.egmla_decode = fused_decode
 
 
