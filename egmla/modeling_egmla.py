@@ -140,7 +140,7 @@ class EGMLAGateTable(nn.Embedding):
         return super().extra_repr() + (", offload=True" if self.offload else "")
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        if not getattr(self, "offload", False):
+        if not self.offload:
             return super().forward(token_ids)
         distinct, index = torch.unique(token_ids.to(self.weight.device), return_inverse=True)
         rows = nn.functional.embedding(distinct, self.weight)  # [U, de], in CPU memory
@@ -149,7 +149,7 @@ class EGMLAGateTable(nn.Embedding):
         return rows.to(token_ids.device, non_blocking=True)[index.to(token_ids.device)]
 
     def _apply(self, fn, recurse: bool = True):
-        if not getattr(self, "offload", False) or self.weight.is_meta:  # being built or loaded: placed afterwards
+        if not self.offload or self.weight.is_meta:  # being built or loaded: placed afterwards
             return super()._apply(fn, recurse)
         target = fn(torch.empty(0, dtype=self.weight.dtype))
         if target.device.type == "cpu":  # a change of dtype, share_memory, to_empty: as asked
@@ -159,7 +159,7 @@ class EGMLAGateTable(nn.Embedding):
 
     def place_in_cpu_memory(self) -> None:
         """Back to CPU memory after a load that placed the table elsewhere (a `device_map`)."""
-        if not getattr(self, "offload", False):
+        if not self.offload:
             return
         if self.weight.is_meta:  # accelerate's CPU offload: it would copy the whole table over at every call
             raise ValueError(
