@@ -9,6 +9,7 @@ import torch
 from egmla import EGMLAConfig, EGMLAForCausalLM, kernels
 from egmla.kernels import fused_torch
 from egmla.modeling_egmla import eager_attention_forward
+from tests import conftest
 
 triton_decode = pytest.importorskip("egmla.kernels.triton_decode", reason="Triton is not installed")
 
@@ -172,24 +173,17 @@ def test_compiled_gate_once_per_distinct_token_equals_the_reference(monkeypatch,
 
 
 def tiny_config(gate_position: str, q_lora_rank: int | None) -> EGMLAConfig:
-    return EGMLAConfig(
+    return conftest.tiny_config(
         vocab_size=80,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         q_lora_rank=q_lora_rank,
         kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
         v_head_dim=8,
         rope_key_heads=2,
         gate_embedding_dim=8,
         gate_position=gate_position,
         max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
 
 
