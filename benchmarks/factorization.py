@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from egmla.conversion import calibrate, convert_llama_to_egmla, load_llama, load_tokenizer
-from egmla.conversion.pipeline import TextSettings, default_source, prepare_text
+from egmla.conversion import ConversionOptions, calibrate, convert_llama_to_egmla, load_llama, load_tokenizer
+from egmla.conversion.pipeline import TextSettings, prepare_text
+from egmla.data import smollm2_gguf
 from egmla.text import perplexity
 
 
@@ -39,7 +40,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    source = args.source or default_source()
+    source = args.source or smollm2_gguf()
     teacher, tokenizer = load_llama(source), load_tokenizer(source)
     text = prepare_text(
         teacher,
@@ -58,11 +59,14 @@ def main() -> None:
         torch.manual_seed(0)
         student = convert_llama_to_egmla(
             teacher,
-            kv_cut=args.kv_cut,
-            rope_pairs_per_head=args.rope_pairs,
-            rope_keys=args.rope_keys,
-            factorization=factorization,
-            statistics=statistics,
+            ConversionOptions(
+                kv_cut=args.kv_cut,
+                rope_pairs=args.rope_pairs,
+                rope_keys=args.rope_keys,
+                factorization=factorization,
+                gate_embedding_dim=0,
+            ),
+            statistics,
         )
         rows[f"{factorization}-aware" if factorization == "activation" else "weight-only"] = perplexity(
             student, text.held_out
@@ -71,10 +75,10 @@ def main() -> None:
     if args.rope_keys == "shared":  # the same budget with MHA2MLA's per-KV-head rope keys
         per_head = convert_llama_to_egmla(
             teacher,
-            kv_cut=args.kv_cut,
-            rope_pairs_per_head=args.per_head_pairs,
-            rope_keys="per_head",
-            statistics=statistics,
+            ConversionOptions(
+                kv_cut=args.kv_cut, rope_pairs=args.per_head_pairs, rope_keys="per_head", gate_embedding_dim=0
+            ),
+            statistics,
         )
         pairs = per_head.config.qk_rope_head_dim // 2
         rows[f"activation-aware, per-KV-head rope keys ({pairs} pairs each)"] = perplexity(per_head, text.held_out)
@@ -84,11 +88,14 @@ def main() -> None:
         for selection in ("rotation", "norm"):
             exact_latent = convert_llama_to_egmla(
                 teacher,
-                kv_lora_rank=min(stacked_rows, teacher.config.hidden_size),
-                rope_pairs_per_head=pairs,
-                rope_keys=args.rope_keys,
-                statistics=statistics,
-                pair_selection=selection,
+                ConversionOptions(
+                    kv_lora_rank=min(stacked_rows, teacher.config.hidden_size),
+                    rope_pairs=pairs,
+                    rope_keys=args.rope_keys,
+                    pair_selection=selection,
+                    gate_embedding_dim=0,
+                ),
+                statistics,
             )
             rows[f"full-rank latent, {selection} pair choice"] = perplexity(exact_latent, text.held_out)
     source_values = 2 * teacher.config.num_key_value_heads * teacher.config.head_dim

@@ -17,22 +17,9 @@ from .modeling_egmla import (
     EGMLAPreTrainedModel,
     cache_nbytes,
 )
+from .training import LORA_TARGET_MODULES, gate_table_names
 
 __version__ = "0.1.0"
-
-# Module names for PEFT's `target_modules` (see README): every linear layer of attention and MLP.
-LORA_TARGET_MODULES = [
-    "q_proj",
-    "q_a_proj",
-    "q_b_proj",
-    "kv_a_proj_with_mqa",
-    "kv_b_proj",
-    "o_proj",
-    "gate_embedding_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-]
 
 AutoConfig.register(EGMLAConfig.model_type, EGMLAConfig, exist_ok=True)
 AutoModel.register(EGMLAConfig, EGMLAModel, exist_ok=True)
@@ -41,11 +28,6 @@ EGMLAConfig.register_for_auto_class()
 EGMLAModel.register_for_auto_class("AutoModel")
 EGMLAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 kernels.register()
-
-
-def gate_table_names(config: EGMLAConfig) -> list[str]:
-    """Module names of the gate tables, for PEFT's `modules_to_save` (train the tables alongside LoRA)."""
-    return [f"gate_embeddings.{index}" for index in range(config.num_gate_tables)]
 
 
 __all__ = [

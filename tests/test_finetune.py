@@ -5,11 +5,12 @@ import json
 import pytest
 import torch
 
-import egmla.conversion.finetune as finetune_module
+import egmla.training as finetune_module
 from egmla.cli import main
-from egmla.conversion import convert_llama_to_egmla
-from egmla.conversion.finetune import FinetuneSettings, distillation_loss, finetune
+from egmla.conversion import ConversionOptions, convert_llama_to_egmla
 from egmla.modeling_egmla import EGMLAForCausalLM
+from egmla.text import token_blocks
+from egmla.training import FinetuneSettings, distillation_loss, finetune
 from tests.conftest import STORIES260K, TINYSTORIES, needs_shared
 from tests.test_conversion import random_gqa_llama
 
@@ -19,7 +20,7 @@ def pair():
     teacher = random_gqa_llama()
     blocks = torch.randint(3, 96, (16, 32), generator=torch.Generator().manual_seed(0))
     student = convert_llama_to_egmla(
-        teacher, kv_lora_rank=12, rope_pairs_per_head=2, calibration_blocks=blocks[:4], gate_embedding_dim=8
+        teacher, ConversionOptions(kv_lora_rank=12, rope_pairs=2, gate_embedding_dim=8), blocks[:4]
     )
     return teacher, student, blocks
 
@@ -61,7 +62,7 @@ def test_an_interrupted_run_resumes_where_it_stopped(tmp_path, monkeypatch):
 
     def fresh_student():
         return convert_llama_to_egmla(
-            teacher, kv_lora_rank=12, rope_pairs_per_head=2, calibration_blocks=blocks[:4], gate_embedding_dim=8
+            teacher, ConversionOptions(kv_lora_rank=12, rope_pairs=2, gate_embedding_dim=8), blocks[:4]
         )
 
     straight = finetune(fresh_student(), teacher, blocks, FinetuneSettings(**settings))
@@ -139,7 +140,11 @@ def test_finetune_takes_documents_with_their_tokenizer():
 
     teacher, tokenizer = load_llama(STORIES260K), load_tokenizer(STORIES260K)
     documents = ["Once upon a time there was a cat.", "The dog ran to the park and played."] * 20
-    student = convert_llama_to_egmla(teacher, kv_cut=0.5, rope_pairs_per_head=3, calibration_texts=documents)
+    student = convert_llama_to_egmla(
+        teacher,
+        ConversionOptions(kv_cut=0.5, rope_pairs=3, gate_embedding_dim=0),
+        token_blocks(tokenizer, documents, 256),
+    )
     result = finetune(
         student,
         teacher,
@@ -157,7 +162,9 @@ def test_resume_falls_back_to_the_previous_checkpoint(tmp_path):
     """A run that died between the two renames of a checkpoint swap resumes from `last.previous`."""
     teacher = random_gqa_llama()
     blocks = torch.randint(3, 96, (16, 32), generator=torch.Generator().manual_seed(0))
-    student = convert_llama_to_egmla(teacher, kv_lora_rank=12, rope_pairs_per_head=2, calibration_blocks=blocks[:4])
+    student = convert_llama_to_egmla(
+        teacher, ConversionOptions(kv_lora_rank=12, rope_pairs=2, gate_embedding_dim=0), blocks[:4]
+    )
     settings = dict(steps=4, batch_size=4, eval_every=0, save_every=2, checkpoint_dir=tmp_path)
     finetune(student, teacher, blocks, FinetuneSettings(**settings))
     (tmp_path / "last").rename(tmp_path / "last.previous")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from egmla.conversion import convert_llama_to_egmla, load_llama
+from egmla.conversion import ConversionOptions, convert_llama_to_egmla, load_llama
 from tests.conftest import STORIES260K, needs_shared
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install -e '.[eval]')")
@@ -43,10 +43,12 @@ def test_a_converted_folder_evaluates_like_its_source(tmp_path):
     key_value_heads, head_dim = teacher.config.num_key_value_heads, teacher.config.head_dim
     student = convert_llama_to_egmla(
         teacher,
-        kv_lora_rank=2 * key_value_heads * head_dim,
-        rope_pairs_per_head=key_value_heads * head_dim // 2,
-        calibration_blocks=torch.randint(3, 500, (2, 64), generator=torch.Generator().manual_seed(0)),
-        gate_embedding_dim=8,
+        ConversionOptions(
+            kv_lora_rank=2 * key_value_heads * head_dim,
+            rope_pairs=key_value_heads * head_dim // 2,
+            gate_embedding_dim=8,
+        ),
+        torch.randint(3, 500, (2, 64), generator=torch.Generator().manual_seed(0)),
     )
     student.save_pretrained(tmp_path / "converted")
     AutoTokenizer.from_pretrained(STORIES260K).save_pretrained(tmp_path / "converted")

@@ -134,7 +134,7 @@ def test_the_table_follows_cpu_side_operations_and_refuses_accelerate_offload():
 def test_finetune_refuses_offloaded_tables_in_several_processes(monkeypatch):
     from accelerate import Accelerator
 
-    from egmla.conversion import finetune as finetune_module
+    from egmla import training as finetune_module
 
     class TwoProcesses(Accelerator):
         num_processes = 2

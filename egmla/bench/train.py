@@ -12,10 +12,10 @@ import torch
 from transformers import AutoTokenizer
 
 from ..configuration_egmla import EGMLAConfig
-from ..conversion.finetune import FinetuneSettings, finetune
+from ..data import EXCERPT, TOKENIZER
 from ..modeling_egmla import EGMLAForCausalLM
-from ..quickstart import DEFAULT_TEXT, DEFAULT_TOKENIZER
 from ..text import loss_and_accuracy, read_documents, split_documents, token_blocks
+from ..training import FinetuneSettings, finetune
 
 SHARED_TEXT = Path("../shared/assets/text/tinystories_train_2MiB.txt")
 
@@ -24,8 +24,8 @@ SHARED_TEXT = Path("../shared/assets/text/tinystories_train_2MiB.txt")
 class TrainBench:
     """One grid of runs (six by default, 250 steps of 16 x 256 tokens each, about 30 minutes on 2 CPU cores)."""
 
-    text: Path = SHARED_TEXT
-    tokenizer: Path = DEFAULT_TOKENIZER
+    train_text: Path = SHARED_TEXT
+    tokenizer: Path = TOKENIZER
     hidden_size: int = 256
     layers: int = 4
     heads: int = 4
@@ -43,7 +43,7 @@ class TrainBench:
 
 
 QUICK = TrainBench(
-    text=DEFAULT_TEXT, hidden_size=64, layers=2, mla_kv_lora_rank=32, egmla_kv_lora_rank=8, gate_dims=(0, 16),
+    train_text=EXCERPT, hidden_size=64, layers=2, mla_kv_lora_rank=32, egmla_kv_lora_rank=8, gate_dims=(0, 16),
     steps=4, batch_size=4, block_size=64, eval_every=2, eval_blocks=4,
 )  # fmt: skip
 
@@ -81,10 +81,12 @@ def model_config(bench: TrainBench, tokenizer, kv_lora_rank: int, gate_embedding
 
 def run_train(bench: TrainBench, results: Path) -> dict:
     """Trains every variant not already cached under `results/train/` (interrupted runs resume)."""
-    if not Path(bench.text).is_file():
-        raise FileNotFoundError(f"Training text {bench.text} not found: pass --text FILE (TinyStories-like documents).")
+    if not Path(bench.train_text).is_file():
+        raise FileNotFoundError(
+            f"Training text {bench.train_text} not found: pass --train-text FILE (TinyStories-like documents)."
+        )
     tokenizer = AutoTokenizer.from_pretrained(bench.tokenizer)
-    train_documents, held_out_documents = split_documents(read_documents(bench.text), 0.1)
+    train_documents, held_out_documents = split_documents(read_documents(bench.train_text), 0.1)
     train_blocks = token_blocks(tokenizer, train_documents, bench.block_size)
     held_out = token_blocks(tokenizer, held_out_documents, bench.block_size)[: bench.eval_blocks]
     folder = results / "train"
@@ -102,26 +104,19 @@ def run_train(bench: TrainBench, results: Path) -> dict:
         config = model_config(bench, tokenizer, **dims)
         model = EGMLAForCausalLM(config)
         started = time.time()
-        result = finetune(
-            model,
-            None,
-            train_blocks,
-            FinetuneSettings(
-                steps=bench.steps,
-                batch_size=bench.batch_size,
-                learning_rate=bench.learning_rate,
-                warmup_steps=max(1, bench.steps // 20),
-                distill_weight=0.0,
-                ce_weight=1.0,
-                eval_every=bench.eval_every,
-                save_every=bench.eval_every,
-                checkpoint_dir=folder / "checkpoints" / name,
-                resume=True,
-                seed=bench.seed,
-                max_minutes=bench.max_minutes_per_run,
-            ),
-            eval_blocks=held_out,
+        training = FinetuneSettings.from_scratch(
+            steps=bench.steps,
+            batch_size=bench.batch_size,
+            learning_rate=bench.learning_rate,
+            warmup_steps=max(1, bench.steps // 20),
+            eval_every=bench.eval_every,
+            save_every=bench.eval_every,
+            checkpoint_dir=folder / "checkpoints" / name,
+            resume=True,
+            seed=bench.seed,
+            max_minutes=bench.max_minutes_per_run,
         )
+        result = finetune(model, None, train_blocks, training, eval_blocks=held_out)
         loss, accuracy = loss_and_accuracy(result.model, held_out, bench.batch_size)
         tokens_per_step = bench.batch_size * bench.block_size
         curve = [
@@ -146,7 +141,7 @@ def run_train(bench: TrainBench, results: Path) -> dict:
         cached.write_text(json.dumps(runs[name], indent=2) + "\n")
         print(f"{name}: held-out loss {loss:.4f}, accuracy {accuracy:.4f} after {result.steps_done} steps")
     return {
-        "text": str(bench.text),
+        "train_text": str(bench.train_text),
         "train_tokens_available": train_blocks.numel(),
         "held_out_tokens": held_out.numel(),
         "runs": runs,
@@ -154,7 +149,7 @@ def run_train(bench: TrainBench, results: Path) -> dict:
 
 
 def print_train(result: dict) -> None:
-    print(f"\nfrom-scratch training on {result['text']} ({result['held_out_tokens']:,} held-out tokens)")
+    print(f"\nfrom-scratch training on {result['train_text']} ({result['held_out_tokens']:,} held-out tokens)")
     print(
         "| run | latent | gate width | gate-table params | KV values/token/layer | tokens | held-out loss "
         "| held-out accuracy |\n|---|---|---|---|---|---|---|---|"

@@ -1,11 +1,18 @@
-"""Retrofitting Llama checkpoints into EG-MLA: conversion, recovery fine-tuning and evaluation."""
+"""Retrofitting Llama checkpoints into EG-MLA: loading the source (`source`), calibration, partial RoPE (`rope`),
+low-rank factorization, the conversion itself (`convert`), and the jobs behind the CLI (`pipeline`)."""
 
-from .convert import (
-    calibrate,
-    convert_llama_to_egmla,
-    kv_lora_rank_for_cut,
-    load_llama,
-    load_tokenizer,
-)
+from .calibration import LayerStatistics, calibrate
+from .convert import Budget, ConversionOptions, convert_llama_to_egmla, kv_lora_rank_for_cut, resolve_budget
+from .source import load_llama, load_tokenizer
 
-__all__ = ["calibrate", "convert_llama_to_egmla", "kv_lora_rank_for_cut", "load_llama", "load_tokenizer"]
+__all__ = [
+    "Budget",
+    "ConversionOptions",
+    "LayerStatistics",
+    "calibrate",
+    "convert_llama_to_egmla",
+    "kv_lora_rank_for_cut",
+    "load_llama",
+    "load_tokenizer",
+    "resolve_budget",
+]

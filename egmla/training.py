@@ -1,5 +1,6 @@
-"""Recovery fine-tuning of a converted model: distillation from the source (KL on logits) plus optional
-cross-entropy, on all parameters or LoRA adapters (PEFT) with the gate tables trained in full.
+"""Training EG-MLA models: recovery fine-tuning of a converted model (distillation from its source, KL on logits,
+plus optional cross-entropy) and training from scratch (cross-entropy only), on all parameters or on LoRA adapters
+(PEFT) with the gate tables trained in full.
 
 Built on accelerate: one process here, `accelerate launch` for several. Checkpoints hold the accelerate state
 (model, optimizer, scheduler, random generators) and the step; `resume=True` continues from the last one, and
@@ -21,12 +22,31 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from .. import LORA_TARGET_MODULES, gate_table_names
-from ..modeling_egmla import EGMLAForCausalLM
-from ..text import loss_and_accuracy, token_blocks
+from .configuration_egmla import EGMLAConfig
+from .modeling_egmla import EGMLAForCausalLM
+from .text import loss_and_accuracy, token_blocks
 
 STATE_FOLDER = "accelerate_state"
 PROGRESS_FILE = "progress.json"
+
+# Module names for PEFT's `target_modules` (see README): every linear layer of attention and MLP.
+LORA_TARGET_MODULES = [
+    "q_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "o_proj",
+    "gate_embedding_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+]
+
+
+def gate_table_names(config: EGMLAConfig) -> list[str]:
+    """Module names of the gate tables, for PEFT's `modules_to_save` (train the tables alongside LoRA)."""
+    return [f"gate_embeddings.{index}" for index in range(config.num_gate_tables)]
 
 
 @dataclass
@@ -43,13 +63,31 @@ class FinetuneSettings:
     lora_rank: int = 16
     attention_only: bool = False  # train only the attention layers and gate tables (what the conversion changed)
     train_gate_tables: bool = True
-    eval_every: int = 50
-    save_every: int = 50
+    eval_every: int = 100
+    save_every: int = 100
     checkpoint_dir: Path | None = None
     resume: bool = False
     seed: int = 0
     max_minutes: float | None = None  # stop early (and say so) once this much wall time is spent
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step on each process
+
+    def __post_init__(self) -> None:
+        if self.steps <= 0:
+            raise ValueError(f"steps must be positive, got {self.steps}.")
+        if self.gradient_accumulation_steps <= 0:
+            raise ValueError(f"gradient_accumulation_steps must be positive, got {self.gradient_accumulation_steps}.")
+        if self.distill_weight <= 0 and self.ce_weight <= 0:
+            raise ValueError("Nothing to train on: distill_weight and ce_weight are both 0.")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("resume=True needs a checkpoint_dir.")
+        if self.attention_only and self.lora:
+            raise ValueError("attention_only and lora are exclusive: LoRA already chooses what it trains.")
+
+    @classmethod
+    def from_scratch(cls, **overrides) -> "FinetuneSettings":
+        """Next-token training of a fresh model: cross-entropy only, no teacher, no held-out evaluation unless
+        `eval_every` is given."""
+        return cls(**{"distill_weight": 0.0, "ce_weight": 1.0, "eval_every": 0, **overrides})
 
 
 @dataclass
@@ -116,42 +154,26 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return None
 
 
-def finetune(
-    student: EGMLAForCausalLM,
-    teacher: torch.nn.Module | None,
-    train_blocks: torch.Tensor | list[str],
-    settings: FinetuneSettings,
-    eval_blocks: torch.Tensor | None = None,
-    tokenizer: PreTrainedTokenizerBase | None = None,
-    block_size: int = 256,
-) -> FinetuneResult:
-    """Trains `student` on token blocks [N, S] (or documents, with their `tokenizer`) to match `teacher` (and/or
-    the next tokens); returns the trained model (LoRA merged into it) and the loss history."""
-    if isinstance(train_blocks, list):
-        if tokenizer is None:
-            raise ValueError("Training on texts needs their tokenizer.")
-        train_blocks = token_blocks(tokenizer, train_blocks, block_size)
-    if teacher is None and settings.distill_weight > 0:
-        raise ValueError("Distillation (distill_weight > 0) needs a teacher.")
-    if settings.distill_weight <= 0 and settings.ce_weight <= 0:
-        raise ValueError("Nothing to train on: distill_weight and ce_weight are both 0.")
-    if settings.resume and settings.checkpoint_dir is None:
-        raise ValueError("resume=True needs a checkpoint_dir.")
-    if settings.steps <= 0:
-        raise ValueError(f"steps must be positive, got {settings.steps}.")
-    if settings.gradient_accumulation_steps <= 0:
-        raise ValueError(f"gradient_accumulation_steps must be positive, got {settings.gradient_accumulation_steps}.")
+@dataclass
+class Run:
+    """What a training run holds once accelerate has prepared it."""
 
+    accelerator: Accelerator
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    trainable: list[torch.nn.Parameter]
+
+
+def prepare_run(student: EGMLAForCausalLM, settings: FinetuneSettings) -> Run:
+    """LoRA or the parameters to train, AdamW with warm-up and cosine decay, all prepared by accelerate."""
     # One scheduler step per optimizer step, however many processes (accelerate would step it once per process).
     accelerator = Accelerator(step_scheduler_with_optimizer=False)
     if accelerator.num_processes > 1 and getattr(student.config, "offload_gate_tables", False):
         raise ValueError(
             "offload_gate_tables trains in one process only (DDP and FSDP expect every parameter on the "
-            "accelerator): load the student without it, or run one process with --grad-accum."
+            "accelerator): load the student without it, or run one process with --gradient-accumulation-steps."
         )
-    torch.manual_seed(settings.seed)
-    if settings.attention_only and settings.lora:
-        raise ValueError("attention_only and lora are exclusive: LoRA already chooses what it trains.")
     model = with_lora(student, settings) if settings.lora else student
     if settings.attention_only:
         for name, param in model.named_parameters():
@@ -166,18 +188,90 @@ def finetune(
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_factor)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    return Run(accelerator, model, optimizer, scheduler, trainable)
+
+
+def step_loss(
+    run: Run, teacher: torch.nn.Module | None, blocks: torch.Tensor, settings: FinetuneSettings, step: int
+) -> float:
+    """One optimizer step over `gradient_accumulation_steps` micro-batches; the loss of the whole global batch."""
+    accelerator, micro_batches = run.accelerator, settings.gradient_accumulation_steps
+    total = torch.zeros((), device=accelerator.device)
+    for micro in range(micro_batches):
+        # Micro-batch j of process p draws the rows of "process" p * k + j: one process accumulating k
+        # micro-batches sees exactly the samples of k data-parallel processes.
+        source = accelerator.process_index * micro_batches + micro
+        batch = blocks[batch_indices(step, len(blocks), settings.batch_size, settings.seed, source)]
+        batch = batch.to(accelerator.device)
+        outputs = run.model(input_ids=batch, labels=batch if settings.ce_weight > 0 else None, use_cache=False)
+        loss = torch.zeros((), device=accelerator.device)
+        if settings.distill_weight > 0:
+            with torch.no_grad():
+                teacher_logits = teacher(batch, use_cache=False).logits
+            loss = loss + settings.distill_weight * distillation_loss(
+                outputs.logits, teacher_logits, settings.temperature
+            )
+        if settings.ce_weight > 0:
+            loss = loss + settings.ce_weight * outputs.loss
+        # Gradients are synchronized across processes on the last micro-batch only.
+        sync = contextlib.nullcontext() if micro == micro_batches - 1 else accelerator.no_sync(run.model)
+        with sync:
+            accelerator.backward(loss / micro_batches)
+        total = total + loss.detach() / micro_batches
+    accelerator.clip_grad_norm_(run.trainable, 1.0)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad()
+    return accelerator.reduce(total, reduction="mean").item()
+
+
+def resume_state(run: Run, checkpoint: Path | None, settings: FinetuneSettings) -> tuple[int, list[dict]]:
+    """(the step to start at, the history so far): from the last checkpoint when resuming, else (0, [])."""
+    resume_from = latest_checkpoint(checkpoint) if settings.resume and checkpoint is not None else None
+    if resume_from is None:
+        return 0, []
+    run.accelerator.load_state(str(resume_from / STATE_FOLDER))
+    progress = json.loads((resume_from / PROGRESS_FILE).read_text())
+    run.accelerator.print(f"resumed from {resume_from} at step {progress['step']}")
+    return progress["step"], progress["history"]
+
+
+def finetune(
+    student: EGMLAForCausalLM,
+    teacher: torch.nn.Module | None,
+    train_blocks: torch.Tensor | list[str],
+    settings: FinetuneSettings,
+    eval_blocks: torch.Tensor | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    block_size: int = 256,
+) -> FinetuneResult:
+    """Trains `student` on token blocks [N, S] (or documents, with their `tokenizer`) to match `teacher` (and/or
+    the next tokens); returns the trained model (LoRA merged into it) and the loss history. Randomness comes from
+    `settings.seed`; the caller's random state is left as it was."""
+    if isinstance(train_blocks, list):
+        if tokenizer is None:
+            raise ValueError("Training on texts needs their tokenizer.")
+        train_blocks = token_blocks(tokenizer, train_blocks, block_size)
+    if teacher is None and settings.distill_weight > 0:
+        raise ValueError("Distillation (distill_weight > 0) needs a teacher.")
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        torch.manual_seed(settings.seed)
+        run = prepare_run(student, settings)
+        return train_loop(run, teacher, train_blocks, settings, eval_blocks)
+
+
+def train_loop(
+    run: Run,
+    teacher: torch.nn.Module | None,
+    train_blocks: torch.Tensor,
+    settings: FinetuneSettings,
+    eval_blocks: torch.Tensor | None,
+) -> FinetuneResult:
+    accelerator = run.accelerator
     if teacher is not None:
         teacher = teacher.to(accelerator.device).eval()
-
-    start_step, history = 0, []
     checkpoint = Path(settings.checkpoint_dir) / "last" if settings.checkpoint_dir else None
-    resume_from = latest_checkpoint(checkpoint) if settings.resume and checkpoint is not None else None
-    if resume_from is not None:
-        accelerator.load_state(str(resume_from / STATE_FOLDER))
-        progress = json.loads((resume_from / PROGRESS_FILE).read_text())
-        start_step, history = progress["step"], progress["history"]
-        accelerator.print(f"resumed from {resume_from} at step {start_step}")
-
+    start_step, history = resume_state(run, checkpoint, settings)
     started = time.time()
     stopped_early = False
     bar = tqdm(
@@ -189,41 +283,13 @@ def finetune(
         disable=not accelerator.is_local_main_process,
     )
     step = start_step
-    micro_batches = settings.gradient_accumulation_steps
     for step in bar:
-        step_loss = torch.zeros((), device=accelerator.device)
-        for micro in range(micro_batches):
-            # Micro-batch j of process p draws the rows of "process" p * k + j: one process accumulating k
-            # micro-batches sees exactly the samples of k data-parallel processes.
-            source = accelerator.process_index * micro_batches + micro
-            rows = batch_indices(step, len(train_blocks), settings.batch_size, settings.seed, source)
-            batch = train_blocks[rows].to(accelerator.device)
-            outputs = model(input_ids=batch, labels=batch if settings.ce_weight > 0 else None, use_cache=False)
-            loss = torch.zeros((), device=accelerator.device)
-            if settings.distill_weight > 0:
-                with torch.no_grad():
-                    teacher_logits = teacher(batch, use_cache=False).logits
-                loss = loss + settings.distill_weight * distillation_loss(
-                    outputs.logits, teacher_logits, settings.temperature
-                )
-            if settings.ce_weight > 0:
-                loss = loss + settings.ce_weight * outputs.loss
-            # Gradients are synchronized across processes on the last micro-batch only.
-            sync = contextlib.nullcontext() if micro == micro_batches - 1 else accelerator.no_sync(model)
-            with sync:
-                accelerator.backward(loss / micro_batches)
-            step_loss = step_loss + loss.detach() / micro_batches
-        accelerator.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        logged = accelerator.reduce(step_loss, reduction="mean").item()  # the loss of the whole global batch
-        history.append({"step": step + 1, "loss": logged})
-        bar.set_postfix(loss=f"{logged:.4f}")
-
+        loss = step_loss(run, teacher, train_blocks, settings, step)
+        history.append({"step": step + 1, "loss": loss})
+        bar.set_postfix(loss=f"{loss:.4f}")
         done = step + 1
         if eval_blocks is not None and settings.eval_every and done % settings.eval_every == 0:
-            held_out, accuracy = loss_and_accuracy(model, eval_blocks, settings.batch_size)
+            held_out, accuracy = loss_and_accuracy(run.model, eval_blocks, settings.batch_size)
             history.append({"step": done, "held_out_loss": held_out, "held_out_accuracy": accuracy})
             accelerator.print(f"step {done}: held-out perplexity {math.exp(held_out):.3f}")
         if checkpoint is not None and settings.save_every and done % settings.save_every == 0:
@@ -234,8 +300,7 @@ def finetune(
     steps_done = step + 1 if settings.steps > start_step else start_step
     if checkpoint is not None:
         save_checkpoint(accelerator, checkpoint, steps_done, history)
-
-    model = accelerator.unwrap_model(model)
+    model = accelerator.unwrap_model(run.model)
     if isinstance(model, PeftModel):
         model = model.merge_and_unload()
     model.eval()

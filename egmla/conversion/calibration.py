@@ -1,0 +1,107 @@
+"""Calibration: what conversion needs to know of the source's activations, per layer (the covariance of the
+attention inputs and the mean 2-norm of every rotary pair of the queries and keys)."""
+
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import LlamaForCausalLM
+
+
+@dataclass
+class LayerStatistics:
+    """What conversion needs from calibration data, for one layer."""
+
+    covariance: torch.Tensor  # [D, D] float64, E[x x^T] of the attention input
+    query_pair_norms: torch.Tensor  # [Hq, hd/2] mean 2-norm of each rotary pair of every query head
+    key_pair_norms: torch.Tensor  # [Hkv, hd/2]
+    context_length: int  # length of the calibration blocks: the query-key distances the pairs must serve
+    tokens: int
+
+
+# What a conversion calibrates on: token blocks [N, S], statistics from `calibrate`, or nothing (weights only).
+Calibration = torch.Tensor | list[LayerStatistics] | None
+
+
+def pair_norms(states: torch.Tensor, heads: int) -> torch.Tensor:
+    """states [N, heads*hd] -> summed 2-norm of each rotary pair (dims j and j + hd/2) [heads, hd/2]."""
+    states = states.view(states.shape[0], heads, 2, -1)  # half-split: [N, heads, (first, second half), hd/2]
+    return states.norm(dim=2).sum(dim=0)
+
+
+@torch.no_grad()
+def calibrate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int = 8) -> list[LayerStatistics]:
+    """Runs the source on token blocks [N, S] and collects per-layer statistics of the attention inputs."""
+    config = model.config
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    covariance = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in range(layers)]
+    query_norms = [torch.zeros(config.num_attention_heads, config.head_dim // 2) for _ in range(layers)]
+    key_norms = [torch.zeros(config.num_key_value_heads, config.head_dim // 2) for _ in range(layers)]
+    counts = [0] * layers
+
+    def hook(layer_idx: int):
+        attention = model.model.layers[layer_idx].self_attn
+
+        def record(module, args):
+            inputs = args[0].reshape(-1, hidden).float()  # the normed hidden states entering q/k/v
+            covariance[layer_idx] += (inputs.T.double() @ inputs.double()).cpu()
+            # The projections by their weights: calling q_proj here would re-enter this hook.
+            queries = inputs @ attention.q_proj.weight.T
+            keys = inputs @ attention.k_proj.weight.T
+            query_norms[layer_idx] += pair_norms(queries, config.num_attention_heads).cpu()
+            key_norms[layer_idx] += pair_norms(keys, config.num_key_value_heads).cpu()
+            counts[layer_idx] += inputs.shape[0]
+
+        return record
+
+    handles = [
+        layer.self_attn.q_proj.register_forward_pre_hook(hook(index)) for index, layer in enumerate(model.model.layers)
+    ]
+    try:
+        device = next(model.parameters()).device
+        for start in tqdm(range(0, len(blocks), batch_size), desc="calibrating", unit="batch", leave=False):
+            model(blocks[start : start + batch_size].to(device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [
+        LayerStatistics(
+            covariance=covariance[i] / counts[i],
+            query_pair_norms=query_norms[i] / counts[i],
+            key_pair_norms=key_norms[i] / counts[i],
+            context_length=blocks.shape[1],
+            tokens=counts[i],
+        )
+        for i in range(layers)
+    ]
+
+
+def weight_statistics(model: LlamaForCausalLM) -> list[LayerStatistics]:
+    """Without calibration data the choices fall back to the weights alone: an identity covariance, pair norms of
+    the projection weights, and distances up to the source's context (at most 4096)."""
+    config = model.config
+    context_length = min(config.max_position_embeddings, 4096)
+    return [
+        LayerStatistics(
+            covariance=torch.eye(config.hidden_size, dtype=torch.float64),
+            query_pair_norms=pair_norms(layer.self_attn.q_proj.weight.detach().T, config.num_attention_heads),
+            key_pair_norms=pair_norms(layer.self_attn.k_proj.weight.detach().T, config.num_key_value_heads),
+            context_length=context_length,
+            tokens=0,
+        )
+        for layer in model.model.layers
+    ]
+
+
+def layer_statistics(model: LlamaForCausalLM, calibration: Calibration) -> list[LayerStatistics]:
+    """Statistics from whichever calibration input was given."""
+    if calibration is None:
+        return weight_statistics(model)
+    if isinstance(calibration, torch.Tensor):
+        return calibrate(model, calibration)
+    if len(calibration) != model.config.num_hidden_layers:
+        raise ValueError(
+            f"calibration holds statistics of {len(calibration)} layers; the source has "
+            f"{model.config.num_hidden_layers}."
+        )
+    return list(calibration)
