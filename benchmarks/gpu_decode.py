@@ -18,7 +18,8 @@ import time
 import torch
 
 from egmla import EGMLAConfig, EGMLAForCausalLM
-from egmla.kernels import bool_mask, triton_decode
+from egmla.kernels import KVDecodeInputs, KVDecodeWeights, LatentDecodeInputs, bool_mask, triton_decode
+from egmla.modeling_egmla import EGMLAGateRows
 
 
 def timed(function, repetitions: int, device: torch.device) -> float:
@@ -73,7 +74,7 @@ def decode_case(module, batch_size: int, context: int, device: torch.device):
 
     q_nope, q_rope = randn(batch_size, heads, 1, nope), randn(batch_size, heads, 1, rope)
     latent, rope_key = randn(batch_size, 1, context, rank), randn(batch_size, 1, context, rope)
-    gate_embedding = randn(batch_size, context, gate_dim)
+    gate_rows = EGMLAGateRows(randn(batch_size * context, gate_dim), None, batch_size, context)  # one per position
     mask = bool_mask(None, batch_size, 1, context, device)
     weight = module.kv_b_weight(like=latent)
     if module.gate_position == "kv":
@@ -81,24 +82,25 @@ def decode_case(module, batch_size: int, context: int, device: torch.device):
         query = torch.cat([q_nope, q_rope], dim=-1)
         norm = module.gate_norm
 
+        inputs = KVDecodeInputs(query, latent[:, 0], rope_key[:, 0], gate_rows.rows, None, mask)
+        weights = KVDecodeWeights(weight, gate_weight, norm.weight, norm.variance_epsilon, module.scaling, nope, 1)
+
         def kernel():
-            return triton_decode.decode_kv(
-                query, latent[:, 0], rope_key[:, 0], gate_embedding, weight, gate_weight, norm.weight,
-                norm.variance_epsilon, mask, module.scaling, nope, 1,
-            )  # fmt: skip
+            return triton_decode.decode_kv(inputs, weights)
 
         def reference():
-            key, value = module.expand_kv(latent, rope_key, gate_embedding)
+            key, value = module.expand_kv(latent, rope_key, gate_rows)
             return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=module.scaling)
 
         # The cache, the gate rows and the weights read once; expansion, gate and attention FLOPs.
-        read = (latent.numel() + rope_key.numel() + gate_embedding.numel() + weight.numel() + gate_weight.numel()) * 2
+        read = (latent.numel() + rope_key.numel() + gate_rows.rows.numel() + weight.numel() + gate_weight.numel()) * 2
         flops = 2 * batch_size * context * heads * ((nope + value_dim) * (rank + gate_dim) + nope + rope + value_dim)
     else:
         query_latent = torch.einsum("bhsd,hdr->bhsr", q_nope, weight[:, :nope])
+        inputs = LatentDecodeInputs(query_latent, q_rope, latent[:, 0], rope_key[:, 0], mask)
 
         def kernel():
-            return triton_decode.decode_latent(query_latent, q_rope, latent[:, 0], rope_key[:, 0], mask, module.scaling)
+            return triton_decode.decode_latent(inputs, module.scaling)
 
         def reference():
             return module.absorbed_attention(q_nope, q_rope, latent, rope_key, None)

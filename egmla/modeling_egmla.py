@@ -10,6 +10,7 @@ This file is also shipped as Hub remote code: it imports only torch, transformer
 import importlib.util
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -128,8 +129,8 @@ class EGMLAGateTable(nn.Embedding):
     up-projection receives gradients of a normal size.
 
     Offloaded (RWKV-8's DeepEmbed), the table stays in CPU memory whatever device the model goes to, and a forward
-    gathers the rows of the distinct tokens in flight and moves only those; gradients flow back to the CPU rows
-    (one process: DDP and FSDP expect every parameter on the accelerator).
+    moves only the rows it is asked for (the model asks for those of the distinct tokens in flight); gradients flow
+    back to the CPU rows (one process: DDP and FSDP expect every parameter on the accelerator).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, offload: bool = False, **kwargs):
@@ -142,11 +143,10 @@ class EGMLAGateTable(nn.Embedding):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if not self.offload:
             return super().forward(token_ids)
-        distinct, index = torch.unique(token_ids.to(self.weight.device), return_inverse=True)
-        rows = nn.functional.embedding(distinct, self.weight)  # [U, de], in CPU memory
+        rows = nn.functional.embedding(token_ids.to(self.weight.device), self.weight)  # in CPU memory
         if token_ids.device.type == "cuda" and not (torch.is_grad_enabled() and rows.requires_grad):
             rows = rows.pin_memory()  # an asynchronous copy (autograd needs the plain one)
-        return rows.to(token_ids.device, non_blocking=True)[index.to(token_ids.device)]
+        return rows.to(token_ids.device, non_blocking=True)
 
     def _apply(self, fn, recurse: bool = True):
         if not self.offload or self.weight.is_meta:  # being built or loaded: placed afterwards
@@ -180,6 +180,39 @@ def cpu_memory(tensor: torch.Tensor) -> torch.Tensor:
 
 class EGMLAGateProjection(nn.Linear):
     """W^{UE}: gate embedding -> gate. It starts at zero, so a fresh gate 1 + W^{UE} e is the identity."""
+
+
+# Above this share of distinct tokens in the context, computing the gate per distinct token and gathering it per
+# position costs more than computing it per position.
+DISTINCT_TOKEN_SHARE = 0.75
+
+
+class EGMLAGateRows(NamedTuple):
+    """The gate-table rows one layer needs, looked up once per forward for the whole model.
+
+    The gate 1 + W^{UE} E[x_t] depends on the token only and real text repeats its tokens (2048 TinyStories tokens
+    hold ~500 distinct ones), so `rows` [U, de] are those of the distinct tokens and `index` [B, T] says which row
+    each position uses; with few repeats, `rows` [B*T, de] are one per position, in order, and `index` is None.
+    """
+
+    rows: torch.Tensor
+    index: torch.Tensor | None
+    batch_size: int
+    length: int
+
+
+def look_up_gate_rows(tables: nn.ModuleList, token_ids: torch.Tensor) -> list[EGMLAGateRows]:
+    """Per gate table, the rows of the tokens `token_ids` [B, T] (an offloaded table moves only distinct ones)."""
+    distinct, index = torch.unique(token_ids, return_inverse=True)
+    per_position = distinct.numel() > DISTINCT_TOKEN_SHARE * token_ids.numel()
+    looked_up = []
+    for table in tables:
+        rows = table(distinct)  # [U, de]
+        if per_position:
+            looked_up.append(EGMLAGateRows(rows[index].flatten(0, 1), None, *token_ids.shape))
+        else:
+            looked_up.append(EGMLAGateRows(rows, index, *token_ids.shape))
+    return looked_up
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -266,6 +299,21 @@ class EGMLACache(DynamicCache):
         return cache_nbytes(self)
 
 
+def context_token_ids(cache: Cache | None, input_ids: torch.Tensor, config: EGMLAConfig) -> torch.Tensor:
+    """The token ids whose gate the layers need: with `gate_position="kv"` and a cache, those of the whole context
+    (the new ids [B, S] are appended to the cache's, kept once by layer 0); otherwise the new ones."""
+    if cache is None or not config.caches_token_ids:
+        return input_ids
+    first_layer = cache.layers[0] if len(cache.layers) else None
+    if not is_latent_cache_layer(first_layer):
+        raise ValueError(
+            "EG-MLA with gate_position='kv' needs a cache that keeps token ids: pass "
+            f"`EGMLACache(model.config)` or `DynamicCache(config=model.config)`, not {type(cache).__name__} "
+            f"with {type(first_layer).__name__} layers."
+        )
+    return first_layer.update_token_ids(input_ids)
+
+
 def is_latent_cache_layer(layer) -> bool:
     """By layer type, not class: each remote-code copy of this file defines its own class, and the type
     registry keeps the last one imported."""
@@ -329,6 +377,26 @@ def mask_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> to
     if attention_mask.dtype == torch.bool:
         return scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     return scores + attention_mask
+
+
+# The decode contract between this file (also remote code) and attention implementations that read the latent
+# cache themselves (egmla.kernels). While decoding, an implementation registered under a name that starts with
+# LATENT_DECODE_PREFIX is called as `function(module, None, None, None, attention_mask, latent_decode=call)` with
+# `call` an EGMLALatentDecode, and returns (output [B, S, H, dv], None), or (None, None) to leave the step to the
+# reference path (e.g. a `version` it does not know). Bump the version whenever EGMLALatentDecode changes.
+LATENT_DECODE_PREFIX = "egmla_fused"
+LATENT_DECODE_VERSION = 1
+
+
+class EGMLALatentDecode(NamedTuple):
+    """One decode step over the latent cache, as the model gives it to a latent-decode implementation."""
+
+    version: int
+    q_nope: torch.Tensor  # [B, H, S, dn]
+    q_rope: torch.Tensor  # [B, H, S, dr], rotated
+    latent: torch.Tensor  # [B, 1, T, r], the whole cache
+    rope_key: torch.Tensor  # [B, 1, T, Hr*dr], rotated
+    gate_rows: EGMLAGateRows | None  # for gate_position="kv": the gate-table rows of the context's T tokens
 
 
 class EGMLAAttention(nn.Module):
@@ -415,18 +483,21 @@ class EGMLAAttention(nn.Module):
             return self.q_proj(hidden_states)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
 
-    def gate(self, states: torch.Tensor, gate_embedding: torch.Tensor) -> torch.Tensor:
-        """states [B, T, W] * (1 + W^{UE} e) [B, T, W]."""
-        return states * (1 + self.gate_embedding_proj(gate_embedding))
+    def gate(self, states: torch.Tensor, gate_rows: EGMLAGateRows) -> torch.Tensor:
+        """states [B, T, W] * (1 + W^{UE} e) [B, T, W], the product computed once per row and gathered."""
+        gate = 1 + self.gate_embedding_proj(gate_rows.rows)  # [U, W]
+        if gate_rows.index is None:
+            return states * gate.view(gate_rows.batch_size, gate_rows.length, -1)
+        return states * gate[gate_rows.index]
 
     def expand_kv(
-        self, latent: torch.Tensor, rope_key: torch.Tensor, gate_embedding: torch.Tensor | None
+        self, latent: torch.Tensor, rope_key: torch.Tensor, gate_rows: EGMLAGateRows | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr] -> key [B, H, T, dn+dr], value [B, H, T, dv]."""
         batch_size, _, seq_length, _ = latent.shape
         kv = self.kv_b_proj(latent[:, 0])  # [B, T, H*(dn+dv)]
         if self.gate_position == "kv" and self.gate_embedding_proj is not None:
-            kv = self.gate(kv, gate_embedding)
+            kv = self.gate(kv, gate_rows)
         kv = kv.view(batch_size, seq_length, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
         if self.gate_position == "kv" and self.gate_norm is not None:
             kv = self.gate_norm(kv)
@@ -471,6 +542,58 @@ class EGMLAAttention(nn.Module):
         output = torch.einsum("bhsr,hvr->bshv", out_latent, w_uv)
         return output, probs
 
+    def decode_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        rope_key: torch.Tensor,
+        gate_rows: EGMLAGateRows | None,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """New queries [B, H, S, .] over the whole cache, by the first path that applies: a latent-decode kernel of
+        the attention implementation (`egmla_fused*`, see the contract above), the absorbed MQA (gate on the
+        latent), or the re-expansion of every cached latent (gate on K/V: the paper's form allows no absorption)."""
+        implementation = self.config._attn_implementation
+        if implementation.startswith(LATENT_DECODE_PREFIX):
+            call = EGMLALatentDecode(LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, gate_rows)
+            output, _ = ALL_ATTENTION_FUNCTIONS[implementation](
+                self, None, None, None, attention_mask, latent_decode=call
+            )
+            if output is not None:
+                return output, None
+        if self.gate_position == "latent":
+            return self.absorbed_attention(q_nope, q_rope, latent, rope_key, attention_mask)
+        return self.expanded_attention(q_nope, q_rope, latent, rope_key, gate_rows, attention_mask, **kwargs)
+
+    def expanded_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        rope_key: torch.Tensor,
+        gate_rows: EGMLAGateRows | None,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The configured attention function (sdpa, eager, ...) over per-head keys and values expanded from the
+        latent: prefill, training, and decoding with the gate on K/V."""
+        key, value = self.expand_kv(latent, rope_key, gate_rows)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        return attention_interface(
+            self,
+            torch.cat([q_nope, q_rope], dim=-1),
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
@@ -478,12 +601,10 @@ class EGMLAAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         cache: Cache | None = None,
-        gate_embedding: torch.Tensor | None = None,
-        gate_token_ids: torch.Tensor | None = None,
+        gate_rows: EGMLAGateRows | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """gate_embedding: [B, T, de] (the whole context) for `gate_position="kv"`, [B, S, de] for `"latent"`;
-        gate_token_ids: the token ids of those rows (a fused kernel computes the gate once per distinct token)."""
+        """gate_rows: of the whole context [B, T] for `gate_position="kv"`, of the new tokens [B, S] for "latent"."""
         batch_size, seq_length = hidden_states.shape[:-1]
 
         query = self.project_query(hidden_states).view(batch_size, seq_length, self.num_heads, self.qk_head_dim)
@@ -495,7 +616,7 @@ class EGMLAAttention(nn.Module):
         if self.kv_a_layernorm is not None:
             latent = self.kv_a_layernorm(latent)
         if self.gate_position == "latent" and self.gate_embedding_proj is not None:
-            latent = self.gate(latent, gate_embedding)
+            latent = self.gate(latent, gate_rows)
             if self.gate_norm is not None:
                 latent = self.gate_norm(latent)
 
@@ -510,38 +631,14 @@ class EGMLAAttention(nn.Module):
             past_length = cache.get_seq_length(self.layer_idx)
             latent, rope_key = cache.update(latent, rope_key, self.layer_idx)  # [B, 1, T, r], [B, 1, T, Hr*dr]
 
-        fused_output = None
         if past_length > 0 and not self.training:
-            # A fused decode kernel, when the attention implementation brings one (egmla.kernels: "egmla_fused").
-            implementation = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation)
-            fused_decode = getattr(implementation, "egmla_decode", None)
-            if fused_decode is not None:
-                # Older kernels take no token ids (remote code may meet an older installed egmla).
-                ids = {"token_ids": gate_token_ids} if getattr(fused_decode, "takes_token_ids", False) else {}
-                fused_output = fused_decode(
-                    self, q_nope, q_rope, latent, rope_key, gate_embedding, attention_mask, **ids
-                )
-
-        if fused_output is not None:
-            attn_output, attn_weights = fused_output, None
-        elif past_length > 0 and self.gate_position == "latent":
-            attn_output, attn_weights = self.absorbed_attention(q_nope, q_rope, latent, rope_key, attention_mask)
+            attn_output, attn_weights = self.decode_attention(
+                q_nope, q_rope, latent, rope_key, gate_rows, attention_mask, **kwargs
+            )
         else:
-            key, value = self.expand_kv(latent, rope_key, gate_embedding)
-            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
+            attn_output, attn_weights = self.expanded_attention(
+                q_nope, q_rope, latent, rope_key, gate_rows, attention_mask, **kwargs
             )
-            attn_output, attn_weights = attention_interface(
-                self,
-                torch.cat([q_nope, q_rope], dim=-1),
-                key,
-                value,
-                attention_mask,
-                dropout=0.0 if not self.training else self.attention_dropout,
-                scaling=self.scaling,
-                **kwargs,
-            )
-
         attn_output = self.o_proj(attn_output.reshape(batch_size, seq_length, -1))
         return attn_output, attn_weights
 
@@ -563,8 +660,7 @@ class EGMLADecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        gate_embedding: torch.Tensor | None = None,
-        gate_token_ids: torch.Tensor | None = None,
+        gate_rows: EGMLAGateRows | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
@@ -573,8 +669,7 @@ class EGMLADecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             cache=cache,
-            gate_embedding=gate_embedding,
-            gate_token_ids=gate_token_ids,
+            gate_rows=gate_rows,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -656,19 +751,6 @@ class EGMLAModel(EGMLAPreTrainedModel):
                 f"input_ids must lie in [0, vocab_size={self.config.vocab_size}); got values from {low} to {high}."
             )
 
-    def context_token_ids(self, input_ids: torch.Tensor, cache: Cache | None) -> torch.Tensor:
-        """Token ids whose gate the layers need: the whole context for `gate_position="kv"`, else the new ones."""
-        if cache is None or not self.config.caches_token_ids:
-            return input_ids
-        first_layer = cache.layers[0] if len(cache.layers) else None
-        if not is_latent_cache_layer(first_layer):
-            raise ValueError(
-                "EG-MLA with gate_position='kv' needs a cache that keeps token ids: pass "
-                f"`EGMLACache(model.config)` or `DynamicCache(config=model.config)`, not {type(cache).__name__} "
-                f"with {type(first_layer).__name__} layers."
-            )
-        return first_layer.update_token_ids(input_ids)
-
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
     @capture_outputs
@@ -711,17 +793,13 @@ class EGMLAModel(EGMLAPreTrainedModel):
             position_ids=position_ids,
         )
 
-        gate_embeddings, token_ids = [], None
-        if self.config.gate_enabled:
-            token_ids = self.context_token_ids(input_ids, cache)
-            gate_embeddings = [table(token_ids) for table in self.gate_embeddings]  # each [B, T or S, de]
+        gate_rows = []
+        if self.config.gate_enabled:  # looked up once, on the distinct tokens, for every layer and path
+            gate_rows = look_up_gate_rows(self.gate_embeddings, context_token_ids(cache, input_ids, self.config))
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)  # cos, sin [B, S, F]
         for layer_idx, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
-            gate_embedding = (
-                gate_embeddings[layer_idx // self.config.gate_layers_per_table] if gate_embeddings else None
-            )
             hidden_states = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask,
@@ -729,8 +807,7 @@ class EGMLAModel(EGMLAPreTrainedModel):
                 cache=cache,
                 use_cache=use_cache,
                 position_embeddings=position_embeddings,
-                gate_embedding=gate_embedding,
-                gate_token_ids=token_ids,
+                gate_rows=gate_rows[layer_idx // self.config.gate_layers_per_table] if gate_rows else None,
                 **kwargs,
             )
 

@@ -5,17 +5,9 @@ import torch
 
 from egmla import EGMLACache, cache_nbytes
 from egmla.configuration_egmla import EGMLA_LAYER_TYPE
-from tests.conftest import MODES, tiny_model
+from tests.utils import MODES, generate_both, incremental_logits, tiny_model
 
 ALL_MODES = list(MODES)
-
-
-def incremental_logits(model, input_ids, prefill, cache):
-    """Prefill `prefill` tokens, then feed the rest one token at a time."""
-    logits = [model(input_ids[:, :prefill], cache=cache, use_cache=True).logits]
-    for step in range(prefill, input_ids.shape[1]):
-        logits.append(model(input_ids[:, step : step + 1], cache=cache, use_cache=True).logits)
-    return torch.cat(logits, dim=1)
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
@@ -27,7 +19,7 @@ def test_prefill_plus_20_steps_equals_no_cache(mode, attn_implementation):
     with torch.no_grad():
         reference = model(input_ids, use_cache=False).logits
         cached = incremental_logits(model, input_ids, prefill=7, cache=EGMLACache(model.config))
-    assert (reference - cached).abs().max().item() <= 1e-5
+    torch.testing.assert_close(reference, cached, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +56,7 @@ def test_variants_cache_equals_no_cache(overrides, gate_position):
     with torch.no_grad():
         reference = model(input_ids, use_cache=False).logits
         cached = incremental_logits(model, input_ids, prefill=4, cache=EGMLACache(model.config))
-    assert (reference - cached).abs().max().item() <= 1e-5
+    torch.testing.assert_close(reference, cached, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -91,14 +83,7 @@ def test_rope_scaling_types(rope_parameters):
     with torch.no_grad():
         reference = model(input_ids, use_cache=False).logits
         cached = incremental_logits(model, input_ids, prefill=5, cache=EGMLACache(model.config))
-    assert (reference - cached).abs().max().item() <= 1e-5
-
-
-def generate_both(model, **kwargs):
-    with torch.no_grad():
-        cached = model.generate(**kwargs, use_cache=True)
-        uncached = model.generate(**kwargs, use_cache=False)
-    return cached, uncached
+    torch.testing.assert_close(reference, cached, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
@@ -238,7 +223,7 @@ def test_fresh_gate_is_the_identity():
     """W^{UE} starts at zero: a fresh EG-MLA model equals the same weights with the gate off."""
     torch.manual_seed(0)
     from egmla import EGMLAForCausalLM
-    from tests.conftest import tiny_config
+    from tests.utils import tiny_config
 
     gated = EGMLAForCausalLM(tiny_config(gate_norm="none")).eval()
     plain = EGMLAForCausalLM(tiny_config(gate_embedding_dim=0)).eval()
@@ -296,7 +281,7 @@ def test_logits_after_crop_equal_no_cache(mode):
         cache.crop(-3)  # back to 7 tokens, then continue with chunks of 5 and 4
         first = model(input_ids[:, 7:12], cache=cache).logits
         second = model(input_ids[:, 12:16], cache=cache).logits
-    assert (torch.cat([first, second], dim=1) - reference[:, 7:]).abs().max() <= 1e-5
+    torch.testing.assert_close(torch.cat([first, second], dim=1), reference[:, 7:], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -317,7 +302,7 @@ def test_attention_depends_only_on_relative_positions(overrides):
     with torch.no_grad():
         reference = model(input_ids, position_ids=positions).logits
         shifted = model(input_ids, position_ids=positions + 37).logits
-    assert (reference - shifted).abs().max() <= 1e-5
+    torch.testing.assert_close(reference, shifted, rtol=0, atol=1e-5)
 
 
 def test_static_cache_is_refused_clearly():

@@ -2,7 +2,7 @@ import pytest
 
 from egmla import EGMLAConfig
 from egmla.configuration_egmla import EGMLA_LAYER_TYPE
-from tests.conftest import tiny_config
+from tests.utils import tiny_config
 
 
 @pytest.mark.parametrize(

@@ -6,33 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from egmla.cli import main
 from egmla.conversion import ConversionOptions, calibrate, convert_llama_to_egmla, load_llama, load_tokenizer
 from egmla.conversion.factorization import allocate_ranks, factorize
 from egmla.conversion.rope import rotation_variance
 from egmla.text import perplexity, read_documents, split_documents, token_blocks
-from tests.conftest import STORIES260K, TINYSTORIES, needs_shared
-
-
-def random_gqa_llama(rope_parameters=None, **overrides) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    values = {
-        "vocab_size": 96,
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 128,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "rope_parameters": rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
-    }
-    values.update(overrides)
-    return LlamaForCausalLM(LlamaConfig(**values)).eval()
+from tests.utils import STORIES260K, TINYSTORIES, needs_shared, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +40,7 @@ def test_full_rank_all_pairs_reproduces_stories260k(stories, rope_keys, all_pair
     )
     input_ids = stories["held_out"][:2]
     with torch.no_grad():
-        assert (student(input_ids).logits - teacher(input_ids).logits).abs().max() <= 1e-4
+        torch.testing.assert_close(student(input_ids).logits, teacher(input_ids).logits, rtol=0, atol=1e-4)
     # Partial RoPE removes positional information: with fewer pairs the model is no longer exact.
     partial = convert_llama_to_egmla(
         teacher,
@@ -88,8 +68,8 @@ def test_full_rank_all_pairs_reproduces_stories260k(stories, rope_keys, all_pair
     ids=lambda params: params["rope_type"],
 )
 @pytest.mark.parametrize("rope_keys", ["per_head", "shared"])
-def test_full_rank_reproduces_a_random_gqa_llama(rope_parameters, rope_keys):
-    teacher = random_gqa_llama(rope_parameters)
+def test_full_rank_reproduces_a_tiny_llama(rope_parameters, rope_keys):
+    teacher = tiny_llama(rope_parameters)
     calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
     # GQA: 8 query heads share 2 KV heads; the up-projection emits K/V for every query head.
     all_pairs = 8 if rope_keys == "per_head" else 2 * 8
@@ -110,7 +90,7 @@ def test_full_rank_reproduces_a_random_gqa_llama(rope_parameters, rope_keys):
         assert student.model.layers[0].self_attn.kv_b_proj.out_features == 8 * (16 + 16)
     input_ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(1))  # past the original 32
     with torch.no_grad():
-        assert (student(input_ids).logits - teacher(input_ids).logits).abs().max() <= 1e-4
+        torch.testing.assert_close(student(input_ids).logits, teacher(input_ids).logits, rtol=0, atol=1e-4)
         assert torch.equal(
             student.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
             teacher.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
@@ -148,8 +128,8 @@ def test_refuses_what_it_cannot_convert(tmp_path):
     with pytest.raises(ValueError, match="'gpt2' checkpoint; only Llama"):
         load_llama(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="attention biases"):
-        load_llama(random_gqa_llama(attention_bias=True))
-    teacher = random_gqa_llama()
+        load_llama(tiny_llama(attention_bias=True))
+    teacher = tiny_llama()
     with pytest.raises(ValueError, match=r"rank must lie in \[1, 56\]"):
         convert_llama_to_egmla(
             teacher,
@@ -192,7 +172,7 @@ def folder_digest(folder: Path) -> str:
 
 def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_source(tmp_path, monkeypatch):
     source = tmp_path / "source"
-    random_gqa_llama(vocab_size=512).save_pretrained(source)  # the stories260K tokenizer's vocabulary
+    tiny_llama(vocab_size=512).save_pretrained(source)  # the stories260K tokenizer's vocabulary
     load_tokenizer_source = STORIES260K if STORIES260K.exists() else None
     if load_tokenizer_source is None:
         pytest.skip(f"{STORIES260K} is absent: a tokenizer is needed for the CLI")
@@ -327,7 +307,7 @@ def test_partial_rope_is_exact_when_the_dropped_pairs_never_rotate(rope_paramete
     """Pairs with zero frequency carry no position, so moving them to NoPE (and through the low-rank latent at
     full rank) must keep the logits: this exercises the NoPE permutation, the per-group up-projection and the
     YaRN attention factor."""
-    teacher = random_gqa_llama(rope_parameters)
+    teacher = tiny_llama(rope_parameters)
     with torch.no_grad():
         teacher.model.rotary_emb.inv_freq[[1, 3, 4, 6]] = 0.0
     calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
@@ -345,11 +325,11 @@ def test_partial_rope_is_exact_when_the_dropped_pairs_never_rotate(rope_paramete
     assert student.config.rope_frequency_indices[0] == turning
     input_ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert (student(input_ids).logits - teacher(input_ids).logits).abs().max() <= 1e-4
+        torch.testing.assert_close(student(input_ids).logits, teacher(input_ids).logits, rtol=0, atol=1e-4)
 
 
 def test_an_in_memory_source_is_left_as_it_was():
-    teacher = random_gqa_llama().to(torch.float64).train()
+    teacher = tiny_llama().to(torch.float64).train()
     before = {name: tensor.clone() for name, tensor in teacher.state_dict().items()}
     convert_llama_to_egmla(
         teacher, ConversionOptions(kv_lora_rank=16, rope_pairs=2, factorization="weight", gate_embedding_dim=0)

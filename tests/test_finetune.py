@@ -11,13 +11,12 @@ from egmla.conversion import ConversionOptions, convert_llama_to_egmla
 from egmla.modeling_egmla import EGMLAForCausalLM
 from egmla.text import token_blocks
 from egmla.training import FinetuneSettings, distillation_loss, finetune
-from tests.conftest import STORIES260K, TINYSTORIES, needs_shared
-from tests.test_conversion import random_gqa_llama
+from tests.utils import STORIES260K, TINYSTORIES, needs_shared, tiny_llama
 
 
 @pytest.fixture()
 def pair():
-    teacher = random_gqa_llama()
+    teacher = tiny_llama()
     blocks = torch.randint(3, 96, (16, 32), generator=torch.Generator().manual_seed(0))
     student = convert_llama_to_egmla(
         teacher, ConversionOptions(kv_lora_rank=12, rope_pairs=2, gate_embedding_dim=8), blocks[:4]
@@ -57,7 +56,7 @@ def test_five_steps_lower_the_distillation_loss(pair, lora):
 def test_an_interrupted_run_resumes_where_it_stopped(tmp_path, monkeypatch):
     settings = dict(steps=6, batch_size=4, learning_rate=3e-3, warmup_steps=2, eval_every=0, save_every=2)
 
-    teacher = random_gqa_llama()
+    teacher = tiny_llama()
     blocks = torch.randint(3, 96, (16, 32), generator=torch.Generator().manual_seed(0))
 
     def fresh_student():
@@ -160,7 +159,7 @@ def test_finetune_takes_documents_with_their_tokenizer():
 
 def test_resume_falls_back_to_the_previous_checkpoint(tmp_path):
     """A run that died between the two renames of a checkpoint swap resumes from `last.previous`."""
-    teacher = random_gqa_llama()
+    teacher = tiny_llama()
     blocks = torch.randint(3, 96, (16, 32), generator=torch.Generator().manual_seed(0))
     student = convert_llama_to_egmla(
         teacher, ConversionOptions(kv_lora_rank=12, rope_pairs=2, gate_embedding_dim=0), blocks[:4]

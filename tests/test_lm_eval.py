@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from egmla.conversion import ConversionOptions, convert_llama_to_egmla, load_llama
-from tests.conftest import STORIES260K, needs_shared
+from tests.utils import STORIES260K, needs_shared
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install -e '.[eval]')")
 

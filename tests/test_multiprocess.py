@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from egmla.cli import main
-from tests.conftest import STORIES260K, TINYSTORIES, needs_shared
+from tests.utils import STORIES260K, TINYSTORIES, needs_shared
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "accelerate" / "cpu_2_processes.yaml"
 

@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from egmla import LORA_TARGET_MODULES, EGMLAForCausalLM, gate_table_names
 from egmla.measure import parameter_bytes_by_device
 from egmla.modeling_egmla import EGMLAGateTable
-from tests.conftest import tiny_model
+from tests.utils import tiny_model
 
 
 def offloaded_copy(model: EGMLAForCausalLM) -> EGMLAForCausalLM:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from egmla.cli import main
-from tests.conftest import STORIES260K, TINYSTORIES, needs_shared
+from tests.utils import STORIES260K, TINYSTORIES, needs_shared
 
 
 def test_quickstart_quick_mode(tmp_path, capsys):

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from egmla import EGMLAConfig, EGMLAForCausalLM, EGMLAModel
-from tests.conftest import tiny_model
+from tests.utils import tiny_model
 
 
 def test_auto_classes_resolve_to_egmla():

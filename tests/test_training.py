@@ -4,7 +4,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from egmla import LORA_TARGET_MODULES, EGMLACache, EGMLAForCausalLM, gate_table_names
-from tests.conftest import MODES, tiny_model
+from tests.utils import MODES, incremental_logits, tiny_model
 
 
 def gradients(model, input_ids):
@@ -72,12 +72,8 @@ def test_lora_train_save_load_merge(tmp_path):
     with torch.no_grad():
         trained_logits = peft_model(input_ids=input_ids).logits
         # Cached decoding under the adapter matches the uncached forward.
-        cache = EGMLACache(model.config)
-        prefix = peft_model(input_ids=input_ids[:, :20], cache=cache, use_cache=True).logits
-        steps = [
-            peft_model(input_ids=input_ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(20, 24)
-        ]
-        assert (torch.cat([prefix, *steps], dim=1) - trained_logits).abs().max() <= 1e-5
+        cached = incremental_logits(peft_model, input_ids, prefill=20, cache=EGMLACache(model.config))
+        torch.testing.assert_close(cached, trained_logits, rtol=0, atol=1e-5)
 
     peft_model.save_pretrained(tmp_path / "adapter")
     base = tiny_model(gate_position="kv")  # same seed: the same base weights
@@ -96,12 +92,8 @@ def test_lora_on_kv_b_proj_is_used_by_the_absorbed_decode():
     input_ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         reference = peft_model(input_ids=input_ids).logits
-        cache = EGMLACache(model.config)
-        logits = [peft_model(input_ids=input_ids[:, :6], cache=cache, use_cache=True).logits]
-        logits += [
-            peft_model(input_ids=input_ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(6, 12)
-        ]
-    assert (torch.cat(logits, dim=1) - reference).abs().max() <= 1e-5
+        cached = incremental_logits(peft_model, input_ids, prefill=6, cache=EGMLACache(model.config))
+    torch.testing.assert_close(cached, reference, rtol=0, atol=1e-5)
 
 
 def test_trains_with_the_transformers_trainer(tmp_path):

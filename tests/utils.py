@@ -1,0 +1,121 @@
+"""What the tests share: tiny random EG-MLA and Llama models, the real assets in ../shared (skipped when absent),
+and the cached-against-uncached helpers."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from egmla import EGMLAConfig, EGMLAForCausalLM
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+STORIES260K = SHARED / "assets" / "stories260K-hf"
+TINYSTORIES = SHARED / "assets" / "text" / "tinystories_train_2MiB.txt"
+
+# The cache modes: gate off (plain MLA, both decode paths), gate on the up-projected K/V, gate on the latent.
+MODES = {
+    "mla": {"gate_embedding_dim": 0, "gate_position": "kv"},
+    "mla-absorbed": {"gate_embedding_dim": 0, "gate_position": "latent"},
+    "gate-kv": {"gate_embedding_dim": 16, "gate_position": "kv"},
+    "gate-latent": {"gate_embedding_dim": 16, "gate_position": "latent"},
+}
+
+TINY = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "gate_embedding_dim": 16,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+# One attention layer for the kernel tests: a wider NoPE part than rope part, an odd latent width.
+KERNEL = {
+    **TINY,
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 1,
+    "kv_lora_rank": 24,
+    "qk_nope_head_dim": 16,
+    "gate_embedding_dim": 10,
+    "max_position_embeddings": 128,
+    "pad_token_id": None,
+}
+
+# A whole model for the fused-generate tests: two rope keys, few distinct tokens.
+FUSED = {
+    **TINY,
+    "vocab_size": 80,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "v_head_dim": 8,
+    "rope_key_heads": 2,
+    "gate_embedding_dim": 8,
+    "max_position_embeddings": 128,
+}
+
+
+def tiny_config(base: dict = TINY, **overrides) -> EGMLAConfig:
+    return EGMLAConfig(**{**base, **overrides})
+
+
+def tiny_model(seed: int = 0, base: dict = TINY, gate_std: float = 0.2, **overrides) -> EGMLAForCausalLM:
+    """A random model whose gate really acts (its zero-initialised up-projection is randomised)."""
+    torch.manual_seed(seed)
+    model = EGMLAForCausalLM(tiny_config(base, **overrides)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if layer.self_attn.gate_embedding_proj is not None:
+                layer.self_attn.gate_embedding_proj.weight.normal_(std=gate_std)
+    return model
+
+
+def tiny_llama(rope_parameters: dict | None = None, **overrides) -> LlamaForCausalLM:
+    """A random GQA Llama (8 query heads, 2 KV heads) to convert."""
+    torch.manual_seed(0)
+    values = {
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 128,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "rope_parameters": rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    values.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**values)).eval()
+
+
+def needs_shared(path: Path) -> None:
+    if not path.exists():
+        pytest.skip(f"{path} is absent: the shared assets folder (../shared) is not next to this clone")
+
+
+def incremental_logits(model, input_ids: torch.Tensor, prefill: int, cache) -> torch.Tensor:
+    """Prefill `prefill` tokens, then feed the rest one token at a time."""
+    logits = [model(input_ids=input_ids[:, :prefill], cache=cache, use_cache=True).logits]
+    for step in range(prefill, input_ids.shape[1]):
+        logits.append(model(input_ids=input_ids[:, step : step + 1], cache=cache, use_cache=True).logits)
+    return torch.cat(logits, dim=1)
+
+
+def generate_both(model, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """`generate` with and without the cache."""
+    with torch.no_grad():
+        cached = model.generate(**kwargs, use_cache=True)
+        uncached = model.generate(**kwargs, use_cache=False)
+    return cached, uncached
