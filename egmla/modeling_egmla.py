@@ -403,9 +403,10 @@ class EGMLAAttention(nn.Module):
     """Multi-head latent attention with an embedding gate (design note, section 2).
 
     Prefill and training expand the latent to per-head keys and values and run the configured attention
-    function (sdpa, eager, ...). Decoding with `gate_position="kv"` re-expands every cached latent and rebuilds
-    the gate from the cached token ids; with `gate_position="latent"` it runs the absorbed MQA over the cached
-    `[latent ; rope key]` without any expansion.
+    function (sdpa, eager, ...): `expanded_attention`. Decoding goes through `decode_attention`: a fused kernel when
+    the implementation is an `egmla_fused*` one, else with `gate_position="latent"` the absorbed MQA over the cached
+    `[latent ; rope key]` without any expansion, and with `gate_position="kv"` the re-expansion of every cached
+    latent with the gate rebuilt from the cached token ids.
     """
 
     def __init__(self, config: EGMLAConfig, layer_idx: int):
@@ -868,7 +869,9 @@ class EGMLAForCausalLM(EGMLAPreTrainedModel, GenerationMixin):
 __all__ = [
     "EGMLACache",
     "EGMLAForCausalLM",
+    "EGMLAGateRows",
     "EGMLALatentCacheLayer",
+    "EGMLALatentDecode",
     "EGMLAModel",
     "EGMLAPreTrainedModel",
     "cache_nbytes",

@@ -79,6 +79,29 @@ def train(model: EGMLAForCausalLM, blocks: torch.Tensor, settings: QuickstartSet
     return [entry["loss"] for entry in result.history]
 
 
+def cache_comparison(
+    model: EGMLAForCausalLM, tokenizer: PreTrainedTokenizerBase, prompt: torch.Tensor, settings: QuickstartSettings
+) -> dict[str, float]:
+    """Cache bytes per token after `generate`: this model against MLA of the same width (gate off, latent 4x
+    larger) and a Llama with full multi-head K/V."""
+    config = model.config
+    torch.manual_seed(settings.seed)
+    mla = EGMLAForCausalLM(small_config(tokenizer, kv_lora_rank=4 * settings.kv_lora_rank, gate_embedding_dim=0)).eval()
+    mha = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=config.num_attention_heads,
+            bos_token_id=config.bos_token_id,
+            eos_token_id=config.eos_token_id,
+        )
+    ).eval()
+    models = (("llama_mha", mha), ("mla", mla), ("egmla", model))
+    return {name: cache_bytes_per_token(m, prompt, new_tokens=16) for name, m in models}
+
+
 def run_quickstart(settings: QuickstartSettings) -> dict:
     out = check_output_folder(settings.out, settings.overwrite)
     random.seed(settings.seed)
@@ -112,25 +135,7 @@ def run_quickstart(settings: QuickstartSettings) -> dict:
     sample_ids = model.generate(**prompt, max_new_tokens=48, do_sample=False)
     sample = tokenizer.decode(sample_ids[0], skip_special_tokens=True)
 
-    # The same width as MLA (gate off, latent 4x larger) and as a Llama with full multi-head K/V.
-    torch.manual_seed(settings.seed)
-    mla = EGMLAForCausalLM(small_config(tokenizer, kv_lora_rank=4 * settings.kv_lora_rank, gate_embedding_dim=0)).eval()
-    mha = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_hidden_layers=config.num_hidden_layers,
-            num_attention_heads=config.num_attention_heads,
-            bos_token_id=config.bos_token_id,
-            eos_token_id=config.eos_token_id,
-        )
-    ).eval()
-    batch_prompt = held_out_blocks[:4, :32]
-    cache = {
-        name: cache_bytes_per_token(m, batch_prompt, new_tokens=16)
-        for name, m in (("llama_mha", mha), ("mla", mla), ("egmla", model))
-    }
+    cache = cache_comparison(model, tokenizer, held_out_blocks[:4, :32], settings)
 
     report = {
         "parameters": parameters,

@@ -12,8 +12,9 @@ import random
 import re
 from pathlib import Path
 
+from egmla.data import EXCERPT
+
 HERE = Path(__file__).resolve().parent
-EXCERPT = HERE.parents[1] / "egmla" / "data" / "tinystories_excerpt.txt"
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
