@@ -82,7 +82,7 @@ def decode_case(module, batch_size: int, context: int, device: torch.device):
         query = torch.cat([q_nope, q_rope], dim=-1)
         norm = module.gate_norm
 
-        inputs = KVDecodeInputs(query, latent[:, 0], rope_key[:, 0], gate_rows.rows, None, mask)
+        inputs = KVDecodeInputs(query, latent[:, 0], rope_key[:, 0], gate_rows.rows, None, None, None, mask)
         weights = KVDecodeWeights(weight, gate_weight, norm.weight, norm.variance_epsilon, module.scaling, nope, 1)
 
         def kernel():

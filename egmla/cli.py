@@ -70,6 +70,13 @@ def add_conversion_options(parser: argparse.ArgumentParser) -> None:
         help="fraction of the source's K/V values per token to remove",
     )
     parser.add_argument(
+        "--rope-mode",
+        choices=["decoupled", "exact"],
+        default=ConversionOptions.rope_mode,
+        help="a cached rope key beside the latent (DeepSeek), or every key rebuilt from the latent and rotated "
+        "exactly (no absorbed decode)",
+    )
+    parser.add_argument(
         "--rope-keys",
         choices=["shared", "per_head"],
         default=ConversionOptions.rope_keys,

@@ -16,6 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 EGMLA_LAYER_TYPE = "egmla_latent_attention"
 GATE_POSITIONS = ("kv", "latent")
 GATE_NORMS = ("rms", "none")
+ROPE_MODES = ("decoupled", "exact")
 
 # The paper's 120M models (design note, section 1): 12 layers, d = 768, 12 heads, GPT-2 vocabulary.
 _PAPER_BASE = {
@@ -60,6 +61,11 @@ class EGMLAConfig(PreTrainedConfig):
         v_head_dim: per-head value dims.
         rope_key_heads: number of rope keys per token; 1 = one shared by all heads (DeepSeek), more = one per
             group of `num_attention_heads // rope_key_heads` query heads.
+        rope_mode: `"decoupled"` (DeepSeek): a separate rope key of `qk_rope_head_dim` dims is cached beside the
+            latent, and keys rebuilt from the latent carry no position. `"exact"`: no rope key; every head's whole
+            key ([nope ; rope] dims) is rebuilt from the latent and its rope dims are rotated with each cached
+            token's position at every step (the positions are cached, 8 bytes a token), so a model converted from
+            Llama keeps its RoPE exactly and the whole cache budget goes to the latent. No absorbed decode.
         gate_embedding_dim: width of the gate tables; 0 turns the gate off, which is plain MLA.
         gate_position: `"kv"` gates the up-projected keys and values (token ids are cached to rebuild the gate
             of past tokens); `"latent"` gates the latent before it is cached (no token ids, absorbed decode).
@@ -100,6 +106,7 @@ class EGMLAConfig(PreTrainedConfig):
     qk_rope_head_dim: int = 64
     v_head_dim: int = 64
     rope_key_heads: int = 1
+    rope_mode: str = "decoupled"
     gate_embedding_dim: int = 256
     gate_position: str = "kv"
     gate_norm: str = "rms"
@@ -149,6 +156,16 @@ class EGMLAConfig(PreTrainedConfig):
         return self.gate_enabled and self.gate_position == "kv"
 
     @property
+    def caches_positions(self) -> bool:
+        """Positions are cached only when the keys rebuilt from the latent must be rotated at every step."""
+        return self.rope_mode == "exact"
+
+    @property
+    def rope_key_width(self) -> int:
+        """Values of the decoupled rope key(s) cached per token per layer (0 in `"exact"` mode)."""
+        return 0 if self.rope_mode == "exact" else self.rope_key_heads * self.qk_rope_head_dim
+
+    @property
     def num_gate_tables(self) -> int:
         return self.num_hidden_layers // self.gate_layers_per_table if self.gate_enabled else 0
 
@@ -156,9 +173,8 @@ class EGMLAConfig(PreTrainedConfig):
         return self.kv_lora_rank[layer_idx] if isinstance(self.kv_lora_rank, list) else self.kv_lora_rank
 
     def kv_cache_values_per_token(self) -> int:
-        """Cached values per token over all layers: latents plus rope keys (token ids not counted)."""
-        rope = self.rope_key_heads * self.qk_rope_head_dim
-        return sum(self.layer_kv_lora_rank(i) + rope for i in range(self.num_hidden_layers))
+        """Cached values per token over all layers: latents plus rope keys (token ids and positions not counted)."""
+        return sum(self.layer_kv_lora_rank(i) + self.rope_key_width for i in range(self.num_hidden_layers))
 
     def validate_architecture(self):
         """Part of `@strict` validation: every rule names its field."""
@@ -206,6 +222,14 @@ class EGMLAConfig(PreTrainedConfig):
             )
         if self.gate_position not in GATE_POSITIONS:
             raise ValueError(f"`gate_position` must be one of {GATE_POSITIONS}, got {self.gate_position!r}.")
+        if self.rope_mode not in ROPE_MODES:
+            raise ValueError(f"`rope_mode` must be one of {ROPE_MODES}, got {self.rope_mode!r}.")
+        if self.rope_mode == "exact" and (self.rope_key_heads != 1 or self.rope_frequency_indices is not None):
+            raise ValueError(
+                "`rope_mode` 'exact' rotates every head's rebuilt key with the first qk_rope_head_dim // 2 "
+                f"frequencies: it takes rope_key_heads=1 and no rope_frequency_indices (got {self.rope_key_heads}, "
+                f"{self.rope_frequency_indices})."
+            )
         if self.gate_norm not in GATE_NORMS:
             raise ValueError(f"`gate_norm` must be one of {GATE_NORMS}, got {self.gate_norm!r}.")
         if self.hidden_act not in ACT2FN:

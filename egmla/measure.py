@@ -27,14 +27,23 @@ def cache_bytes_per_token(model: torch.nn.Module, prompt: torch.Tensor, new_toke
     return cache_nbytes(cache) / tokens
 
 
+def per_token_bytes(cache: Cache, name: str) -> int:
+    """Bytes of the per-token values `name` ("token_ids", "positions") the cache's layers hold."""
+    tensors = [getattr(layer, name, None) for layer in cache.layers]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 def kv_values_per_token(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int = 8) -> dict:
-    """K/V values per token per layer (token ids excluded), and the bytes of token ids per token."""
+    """K/V values per token per layer (token ids and positions excluded), and their bytes per token."""
     cache, tokens = cache_after_generate(model, prompt, new_tokens)
-    ids = [getattr(layer, "token_ids", None) for layer in cache.layers]
-    ids_bytes = sum(t.numel() * t.element_size() for t in ids if t is not None)
+    ids_bytes, position_bytes = per_token_bytes(cache, "token_ids"), per_token_bytes(cache, "positions")
     itemsize = cache.layers[0].keys.element_size()
-    values = (cache_nbytes(cache) - ids_bytes) / itemsize / tokens / len(cache.layers)
-    return {"values_per_token_per_layer": values, "token_id_bytes_per_token": ids_bytes / tokens}
+    values = (cache_nbytes(cache) - ids_bytes - position_bytes) / itemsize / tokens / len(cache.layers)
+    return {
+        "values_per_token_per_layer": values,
+        "token_id_bytes_per_token": ids_bytes / tokens,
+        "position_bytes_per_token": position_bytes / tokens,
+    }
 
 
 def parameter_bytes_by_device(model: torch.nn.Module) -> dict[str, int]:

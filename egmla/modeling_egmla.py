@@ -221,51 +221,59 @@ def look_up_gate_rows(tables: nn.ModuleList, token_ids: torch.Tensor) -> list[EG
 
 
 class EGMLALatentCacheLayer(DynamicLayer):
-    """One layer's cache: the latent `keys` [B, 1, T, r] and the rotated rope keys `values` [B, 1, T, Hr*dr].
+    """One layer's cache: the latent `keys` [B, 1, T, r] and the rotated rope keys `values` [B, 1, T, Hr*dr]
+    (width 0 with `rope_mode="exact"`).
 
     Both are kept as single-"head" 4-D tensors, as DeepSeek does, so every generic cache path (masks, offload,
-    beam reorder) works unchanged. The layer that the model asks to (layer 0) also keeps the context's token ids
-    [B, T], once per sequence, so the gate of past tokens can be rebuilt; every batch or length operation keeps
-    them aligned with the latent.
+    beam reorder) works unchanged. The layer that the model asks to (layer 0) also keeps, once per sequence, what
+    the model needs per cached token: the token ids [B, T] (to rebuild the gate of past tokens, gate on K/V) and the
+    positions [B, T] (to rotate the keys rebuilt from the latent, `rope_mode="exact"`); every batch or length
+    operation keeps them aligned with the latent.
     """
 
     _layer_type = EGMLA_LAYER_TYPE
+    PER_TOKEN = ("token_ids", "positions")
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.token_ids: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+
+    def append_per_token(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """Appends the new tokens' `name` values [B, S] and returns those of the whole context [B, T]."""
+        held = getattr(self, name)
+        setattr(self, name, values if held is None else torch.cat([held, values.to(held.device)], dim=-1))
+        return getattr(self, name)
 
     def update_token_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Appends the new token ids [B, S] and returns those of the whole context [B, T]."""
-        if self.token_ids is None:
-            self.token_ids = input_ids
-        else:
-            self.token_ids = torch.cat([self.token_ids, input_ids.to(self.token_ids.device)], dim=-1)
-        return self.token_ids
+        return self.append_per_token("token_ids", input_ids)
+
+    def map_per_token(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for name in self.PER_TOKEN:
+            if getattr(self, name) is not None:
+                setattr(self, name, function(getattr(self, name)))
 
     def reset(self) -> None:
         super().reset()
-        self.token_ids = None
+        self.token_ids = self.positions = None
 
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
-        if tokens_to_remove < 0 and self.token_ids is not None:
-            self.token_ids = self.token_ids[:, :tokens_to_remove]
+    def crop(self, max_length: int) -> None:
+        super().crop(max_length)
+        if self.is_initialized:  # keep as many tokens as the latent holds now
+            kept = self.get_seq_length()
+            self.map_per_token(lambda values: values[:, :kept])
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        if self.token_ids is not None:
-            self.token_ids = self.token_ids.index_select(0, beam_idx.to(self.token_ids.device))
+        self.map_per_token(lambda values: values.index_select(0, beam_idx.to(values.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        if self.token_ids is not None:
-            self.token_ids = self.token_ids.repeat_interleave(repeats, dim=0)
+        self.map_per_token(lambda values: values.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        if self.token_ids is not None:
-            self.token_ids = self.token_ids[indices, ...]
+        self.map_per_token(lambda values: values[indices, ...])
 
 
 class EGMLAStaticCacheLayer(StaticLayer):
@@ -299,19 +307,35 @@ class EGMLACache(DynamicCache):
         return cache_nbytes(self)
 
 
+def first_latent_layer(cache: Cache, needs: str) -> "EGMLALatentCacheLayer":
+    """Layer 0 of an EG-MLA cache, which keeps the per-token values; a clear error for any other cache."""
+    first_layer = cache.layers[0] if len(cache.layers) else None
+    if not is_latent_cache_layer(first_layer):
+        raise ValueError(
+            f"EG-MLA with {needs} needs a cache that keeps them per token: pass `EGMLACache(model.config)` or "
+            f"`DynamicCache(config=model.config)`, not {type(cache).__name__} with {type(first_layer).__name__} "
+            "layers."
+        )
+    return first_layer
+
+
 def context_token_ids(cache: Cache | None, input_ids: torch.Tensor, config: EGMLAConfig) -> torch.Tensor:
     """The token ids whose gate the layers need: with `gate_position="kv"` and a cache, those of the whole context
     (the new ids [B, S] are appended to the cache's, kept once by layer 0); otherwise the new ones."""
     if cache is None or not config.caches_token_ids:
         return input_ids
-    first_layer = cache.layers[0] if len(cache.layers) else None
-    if not is_latent_cache_layer(first_layer):
-        raise ValueError(
-            "EG-MLA with gate_position='kv' needs a cache that keeps token ids: pass "
-            f"`EGMLACache(model.config)` or `DynamicCache(config=model.config)`, not {type(cache).__name__} "
-            f"with {type(first_layer).__name__} layers."
-        )
-    return first_layer.update_token_ids(input_ids)
+    return first_latent_layer(cache, "gate_position='kv' (token ids)").update_token_ids(input_ids)
+
+
+def context_positions(
+    cache: Cache | None, position_ids: torch.Tensor, batch_size: int, config: EGMLAConfig
+) -> torch.Tensor:
+    """The positions [B, T] of every token whose key is rebuilt (`rope_mode="exact"`): the cached ones and the new
+    `position_ids` [B or 1, S], which the cache keeps (left padding makes them differ between rows)."""
+    position_ids = position_ids.expand(batch_size, -1)
+    if cache is None or not config.caches_positions:
+        return position_ids
+    return first_latent_layer(cache, "rope_mode='exact' (positions)").append_per_token("positions", position_ids)
 
 
 def is_latent_cache_layer(layer) -> bool:
@@ -321,10 +345,11 @@ def is_latent_cache_layer(layer) -> bool:
 
 
 def cache_nbytes(cache: Cache) -> int:
-    """Bytes of every tensor a cache holds (latents, rope keys, token ids; keys/values of any other layer)."""
+    """Bytes of every tensor a cache holds (latents, rope keys, token ids, positions; keys/values of any other
+    layer)."""
     total = 0
     for layer in cache.layers:
-        tensors = (layer.keys, layer.values, getattr(layer, "token_ids", None))
+        tensors = (layer.keys, layer.values, getattr(layer, "token_ids", None), getattr(layer, "positions", None))
         total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total
 
@@ -385,7 +410,7 @@ def mask_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> to
 # `call` an EGMLALatentDecode, and returns (output [B, S, H, dv], None), or (None, None) to leave the step to the
 # reference path (e.g. a `version` it does not know). Bump the version whenever EGMLALatentDecode changes.
 LATENT_DECODE_PREFIX = "egmla_fused"
-LATENT_DECODE_VERSION = 1
+LATENT_DECODE_VERSION = 2
 
 
 class EGMLALatentDecode(NamedTuple):
@@ -397,6 +422,7 @@ class EGMLALatentDecode(NamedTuple):
     latent: torch.Tensor  # [B, 1, T, r], the whole cache
     rope_key: torch.Tensor  # [B, 1, T, Hr*dr], rotated
     gate_rows: EGMLAGateRows | None  # for gate_position="kv": the gate-table rows of the context's T tokens
+    key_rotary: tuple[torch.Tensor, torch.Tensor] | None  # "exact" rope: cos, sin [B, 1, T, dr] of cached positions
 
 
 class EGMLAAttention(nn.Module):
@@ -421,6 +447,10 @@ class EGMLAAttention(nn.Module):
         self.qk_head_dim = config.qk_head_dim
         self.v_head_dim = config.v_head_dim
         self.rope_key_heads = config.rope_key_heads
+        self.rope_mode = config.rope_mode
+        self.rope_key_width = config.rope_key_width  # cached rope key values per token (0 in "exact" mode)
+        # Per head, the key dims rebuilt from the latent: the NoPE dims, and in "exact" mode the rope dims too.
+        self.rebuilt_key_dim = self.qk_nope_head_dim + (self.qk_rope_head_dim if self.rope_mode == "exact" else 0)
         # Which of the F rotary dims each rope key head (and its query group) uses; None = all F, one for all.
         self.rope_dims = self.rotary_dims(config, layer_idx)
         self.rope_dims_tensor: torch.Tensor | None = None
@@ -437,14 +467,12 @@ class EGMLAAttention(nn.Module):
             self.q_a_layernorm = EGMLARMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
             self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
 
-        self.kv_a_proj_with_mqa = nn.Linear(
-            config.hidden_size, self.kv_lora_rank + config.rope_key_heads * config.qk_rope_head_dim, bias=False
-        )
+        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, self.kv_lora_rank + self.rope_key_width, bias=False)
         self.kv_a_layernorm = (
             EGMLARMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_latent_norm else None
         )
         self.kv_b_proj = nn.Linear(
-            self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+            self.kv_lora_rank, self.num_heads * (self.rebuilt_key_dim + self.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, config.hidden_size, bias=False)
 
@@ -453,7 +481,7 @@ class EGMLAAttention(nn.Module):
         self.gate_norm = None
         if config.gate_enabled:
             gated_width = (
-                self.kv_lora_rank if self.gate_position == "latent" else self.qk_nope_head_dim + self.v_head_dim
+                self.kv_lora_rank if self.gate_position == "latent" else self.rebuilt_key_dim + self.v_head_dim
             )
             gate_out = gated_width if self.gate_position == "latent" else self.num_heads * gated_width
             self.gate_embedding_proj = EGMLAGateProjection(config.gate_embedding_dim, gate_out, bias=False)
@@ -492,25 +520,35 @@ class EGMLAAttention(nn.Module):
         return states * gate[gate_rows.index]
 
     def expand_kv(
-        self, latent: torch.Tensor, rope_key: torch.Tensor, gate_rows: EGMLAGateRows | None
+        self,
+        latent: torch.Tensor,
+        rope_key: torch.Tensor,
+        gate_rows: EGMLAGateRows | None,
+        key_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr] -> key [B, H, T, dn+dr], value [B, H, T, dv]."""
+        """latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr] -> key [B, H, T, dn+dr], value [B, H, T, dv].
+
+        In "exact" mode the rope dims come from the latent too, rotated by `key_rotary` (cos, sin of every cached
+        token's position, [B, 1, T, dr])."""
         batch_size, _, seq_length, _ = latent.shape
-        kv = self.kv_b_proj(latent[:, 0])  # [B, T, H*(dn+dv)]
+        kv = self.kv_b_proj(latent[:, 0])  # [B, T, H*(dk+dv)], dk = rebuilt key dims
         if self.gate_position == "kv" and self.gate_embedding_proj is not None:
             kv = self.gate(kv, gate_rows)
-        kv = kv.view(batch_size, seq_length, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        kv = kv.view(batch_size, seq_length, self.num_heads, self.rebuilt_key_dim + self.v_head_dim)
         if self.gate_position == "kv" and self.gate_norm is not None:
             kv = self.gate_norm(kv)
-        k_nope, value = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_rebuilt, value = kv.transpose(1, 2).split([self.rebuilt_key_dim, self.v_head_dim], dim=-1)
+        if self.rope_mode == "exact":
+            k_nope, k_rope = k_rebuilt.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+            return torch.cat([k_nope, apply_rotary(k_rope, *key_rotary)], dim=-1), value
         k_rope = rope_key.view(batch_size, seq_length, self.rope_key_heads, self.qk_rope_head_dim).transpose(1, 2)
         k_rope = k_rope.repeat_interleave(self.num_heads // self.rope_key_heads, dim=1)  # [B, H, T, dr]
-        return torch.cat([k_nope, k_rope], dim=-1), value
+        return torch.cat([k_rebuilt, k_rope], dim=-1), value
 
     def kv_b_weight(self, like: torch.Tensor) -> torch.Tensor:
-        """W^{UKV} as [H, dn+dv, r]."""
+        """W^{UKV} as [H, dk+dv, r] (dk = the key dims rebuilt from the latent)."""
         weight = linear_weight(self.kv_b_proj, self.kv_lora_rank, like)
-        return weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return weight.view(self.num_heads, self.rebuilt_key_dim + self.v_head_dim, self.kv_lora_rank)
 
     def absorbed_attention(
         self,
@@ -550,23 +588,27 @@ class EGMLAAttention(nn.Module):
         latent: torch.Tensor,
         rope_key: torch.Tensor,
         gate_rows: EGMLAGateRows | None,
+        key_rotary: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """New queries [B, H, S, .] over the whole cache, by the first path that applies: a latent-decode kernel of
         the attention implementation (`egmla_fused*`, see the contract above), the absorbed MQA (gate on the
-        latent), or the re-expansion of every cached latent (gate on K/V: the paper's form allows no absorption)."""
+        latent, decoupled rope), or the re-expansion of every cached latent (gate on K/V: the paper's form allows
+        no absorption; "exact" rope: every rebuilt key is rotated)."""
         implementation = self.config._attn_implementation
         if implementation.startswith(LATENT_DECODE_PREFIX):
-            call = EGMLALatentDecode(LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, gate_rows)
+            call = EGMLALatentDecode(LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, gate_rows, key_rotary)
             output, _ = ALL_ATTENTION_FUNCTIONS[implementation](
                 self, None, None, None, attention_mask, latent_decode=call
             )
             if output is not None:
                 return output, None
-        if self.gate_position == "latent":
+        if self.gate_position == "latent" and self.rope_mode == "decoupled":
             return self.absorbed_attention(q_nope, q_rope, latent, rope_key, attention_mask)
-        return self.expanded_attention(q_nope, q_rope, latent, rope_key, gate_rows, attention_mask, **kwargs)
+        return self.expanded_attention(
+            q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, attention_mask, **kwargs
+        )
 
     def expanded_attention(
         self,
@@ -575,12 +617,13 @@ class EGMLAAttention(nn.Module):
         latent: torch.Tensor,
         rope_key: torch.Tensor,
         gate_rows: EGMLAGateRows | None,
+        key_rotary: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The configured attention function (sdpa, eager, ...) over per-head keys and values expanded from the
-        latent: prefill, training, and decoding with the gate on K/V."""
-        key, value = self.expand_kv(latent, rope_key, gate_rows)
+        latent: prefill, training, and decoding that cannot absorb."""
+        key, value = self.expand_kv(latent, rope_key, gate_rows, key_rotary)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -603,16 +646,18 @@ class EGMLAAttention(nn.Module):
         attention_mask: torch.Tensor | None,
         cache: Cache | None = None,
         gate_rows: EGMLAGateRows | None = None,
+        key_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """gate_rows: of the whole context [B, T] for `gate_position="kv"`, of the new tokens [B, S] for "latent"."""
+        """gate_rows: of the whole context [B, T] for `gate_position="kv"`, of the new tokens [B, S] for "latent";
+        key_position_embeddings: cos, sin [B, T, F] at every cached token's position ("exact" rope mode)."""
         batch_size, seq_length = hidden_states.shape[:-1]
 
         query = self.project_query(hidden_states).view(batch_size, seq_length, self.num_heads, self.qk_head_dim)
         q_nope, q_rope = query.transpose(1, 2).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
         latent, rope_key = self.kv_a_proj_with_mqa(hidden_states).split(
-            [self.kv_lora_rank, self.rope_key_heads * self.qk_rope_head_dim], dim=-1
+            [self.kv_lora_rank, self.rope_key_width], dim=-1
         )
         if self.kv_a_layernorm is not None:
             latent = self.kv_a_layernorm(latent)
@@ -623,9 +668,14 @@ class EGMLAAttention(nn.Module):
 
         cos, sin = self.select_rotary(*position_embeddings)
         q_rope = apply_rotary(q_rope, cos, sin)
-        rope_key = rope_key.view(batch_size, seq_length, self.rope_key_heads, self.qk_rope_head_dim).transpose(1, 2)
-        rope_key = apply_rotary(rope_key, cos, sin).transpose(1, 2).reshape(batch_size, 1, seq_length, -1)
+        if self.rope_key_width:
+            rope_key = rope_key.view(batch_size, seq_length, self.rope_key_heads, self.qk_rope_head_dim)
+            rope_key = apply_rotary(rope_key.transpose(1, 2), cos, sin).transpose(1, 2)
+        rope_key = rope_key.reshape(batch_size, 1, seq_length, self.rope_key_width)
         latent = latent.view(batch_size, 1, seq_length, self.kv_lora_rank)
+        key_rotary = None
+        if self.rope_mode == "exact":
+            key_rotary = self.select_rotary(*(key_position_embeddings or position_embeddings))
 
         past_length = 0
         if cache is not None:
@@ -634,11 +684,11 @@ class EGMLAAttention(nn.Module):
 
         if past_length > 0 and not self.training:
             attn_output, attn_weights = self.decode_attention(
-                q_nope, q_rope, latent, rope_key, gate_rows, attention_mask, **kwargs
+                q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, attention_mask, **kwargs
             )
         else:
             attn_output, attn_weights = self.expanded_attention(
-                q_nope, q_rope, latent, rope_key, gate_rows, attention_mask, **kwargs
+                q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, attention_mask, **kwargs
             )
         attn_output = self.o_proj(attn_output.reshape(batch_size, seq_length, -1))
         return attn_output, attn_weights
@@ -662,6 +712,7 @@ class EGMLADecoderLayer(GradientCheckpointingLayer):
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         gate_rows: EGMLAGateRows | None = None,
+        key_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
@@ -671,6 +722,7 @@ class EGMLADecoderLayer(GradientCheckpointingLayer):
             attention_mask=attention_mask,
             cache=cache,
             gate_rows=gate_rows,
+            key_position_embeddings=key_position_embeddings,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -800,6 +852,10 @@ class EGMLAModel(EGMLAPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)  # cos, sin [B, S, F]
+        key_position_embeddings = None  # "exact" rope: cos, sin [B, T, F] at every cached token's position
+        if self.config.caches_positions and cache is not None:
+            positions = context_positions(cache, position_ids, inputs_embeds.shape[0], self.config)
+            key_position_embeddings = self.rotary_emb(hidden_states, position_ids=positions)
         for layer_idx, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             hidden_states = decoder_layer(
                 hidden_states,
@@ -809,6 +865,7 @@ class EGMLAModel(EGMLAPreTrainedModel):
                 use_cache=use_cache,
                 position_embeddings=position_embeddings,
                 gate_rows=gate_rows[layer_idx // self.config.gate_layers_per_table] if gate_rows else None,
+                key_position_embeddings=key_position_embeddings,
                 **kwargs,
             )
 

@@ -60,6 +60,32 @@ def test_variants_cache_equals_no_cache(overrides, gate_position):
 
 
 @pytest.mark.parametrize(
+    "overrides",
+    [
+        {"q_lora_rank": 24},
+        {"gate_norm": "none"},
+        {"kv_latent_norm": False},
+        {"qk_nope_head_dim": 0},
+        {"kv_lora_rank": [16, 6]},
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                             "original_max_position_embeddings": 8}},
+        {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+    ],
+    ids=["q_lora", "gate_norm=none", "no-latent-norm", "no-nope", "per-layer-ranks", "yarn", "llama3", "dynamic"],
+)  # fmt: skip
+@pytest.mark.parametrize("gate_position", ["kv", "latent"])
+def test_exact_rope_variants_cache_equals_no_cache(overrides, gate_position):
+    model = tiny_model(gate_position=gate_position, rope_mode="exact", **overrides)
+    input_ids = torch.randint(3, 128, (2, 15), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        reference = model(input_ids, use_cache=False).logits
+        cached = incremental_logits(model, input_ids, prefill=4, cache=EGMLACache(model.config))
+    torch.testing.assert_close(cached, reference, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
     "rope_parameters",
     [
         {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
@@ -139,7 +165,7 @@ def test_assisted_decoding_with_itself(mode):
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
-def test_cache_holds_exactly_the_latent_rope_key_and_ids(mode):
+def test_cache_holds_exactly_the_latent_rope_key_ids_and_positions(mode):
     model = tiny_model(**MODES[mode], num_hidden_layers=3, kv_lora_rank=[16, 8, 12])
     config = model.config
     batch, prompt_length, new_tokens = 3, 7, 9
@@ -157,18 +183,24 @@ def test_cache_holds_exactly_the_latent_rope_key_and_ids(mode):
     itemsize = torch.finfo(torch.float32).bits // 8
     latent_bytes = batch * seq * config.kv_cache_values_per_token() * itemsize
     ids_bytes = batch * seq * 8 if config.caches_token_ids else 0
-    assert cache_nbytes(cache) == latent_bytes + ids_bytes
+    position_bytes = batch * seq * 8 if config.caches_positions else 0
+    assert cache_nbytes(cache) == latent_bytes + ids_bytes + position_bytes
 
-    # Nothing else: every layer holds exactly [B,1,T,r] and [B,1,T,Hr*dr] (+ the ids [B,T] once, in layer 0).
-    rope_width = config.rope_key_heads * config.qk_rope_head_dim
+    # Nothing else: every layer holds exactly [B,1,T,r] and [B,1,T,Hr*dr] (0 wide in "exact" rope mode), plus the
+    # ids and the positions [B,T] once, in layer 0, where the mode needs them.
+    rope_width = 0 if config.rope_mode == "exact" else config.rope_key_heads * config.qk_rope_head_dim
+    per_token = {"token_ids"} if ids_bytes else set()
+    per_token |= {"positions"} if position_bytes else set()
     for index, layer in enumerate(cache.layers):
         assert layer._layer_type == EGMLA_LAYER_TYPE and type(layer).__name__ == "EGMLALatentCacheLayer"
         assert layer.keys.shape == (batch, 1, seq, config.layer_kv_lora_rank(index))
         assert layer.values.shape == (batch, 1, seq, rope_width)
         tensors = {name for name, value in vars(layer).items() if isinstance(value, torch.Tensor)}
-        assert tensors == ({"keys", "values", "token_ids"} if index == 0 and ids_bytes else {"keys", "values"})
+        assert tensors == ({"keys", "values"} | (per_token if index == 0 else set()))
     if ids_bytes:
         assert torch.equal(cache.layers[0].token_ids, out.sequences[:, :seq])
+    if position_bytes:
+        assert torch.equal(cache.layers[0].positions, torch.arange(seq).expand(batch, seq))
 
 
 def test_cache_operations_keep_ids_aligned():
@@ -192,6 +224,50 @@ def test_cache_operations_keep_ids_aligned():
     assert cache.layers[0].keys.shape[0] == 2
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.token_ids is None and cache.nbytes() == 0
+
+
+def test_cache_operations_keep_positions_aligned_in_exact_rope_mode():
+    """Left-padded rows cache their own positions; crop, beam reorder, repetition and selection keep them with
+    the latent, so the logits after each operation still equal a forward without cache."""
+    model = tiny_model(**MODES["exact-gate-kv"])
+    input_ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(14))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0  # row 1 is left-padded by 3
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = EGMLACache(model.config)
+    with torch.no_grad():
+        model(input_ids[:, :7], attention_mask=attention_mask[:, :7], position_ids=position_ids[:, :7], cache=cache)
+        assert torch.equal(cache.layers[0].positions, position_ids[:, :7])
+        cache.crop(-2)
+        assert torch.equal(cache.layers[0].positions, position_ids[:, :5])
+        cache.reorder_cache(torch.tensor([1, 2, 0]))
+        cache.batch_repeat_interleave(2)
+        cache.batch_select_indices(torch.tensor([0, 3, 4]))  # rows 1, 2, 0 of the original batch
+        order = torch.tensor([1, 2, 0])
+        assert torch.equal(cache.layers[0].positions, position_ids[order, :5])
+        step = model(
+            input_ids[order, 5:9], attention_mask=attention_mask[order], position_ids=position_ids[order, 5:9],
+            cache=cache,
+        ).logits  # fmt: skip
+        reference = model(input_ids[order], attention_mask=attention_mask[order], position_ids=position_ids[order])
+    torch.testing.assert_close(step, reference.logits[:, 5:9], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["exact", "exact-gate-kv"])
+def test_a_generation_continues_from_its_cache_in_exact_rope_mode(mode):
+    """Both ways of continuing: `generate` again with the returned cache, and forward steps on that cache."""
+    model = tiny_model(**MODES[mode])
+    prompt = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(15))
+    options = {"do_sample": False, "return_dict_in_generate": True}
+    with torch.no_grad():
+        whole = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, **options).sequences
+        first = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, **options)
+        again = model.generate(first.sequences, cache=first.cache, max_new_tokens=6, min_new_tokens=6, **options)
+        assert torch.equal(again.sequences, whole)
+        first = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, **options)
+        logits = model(first.sequences[:, -1:], cache=first.cache).logits
+        reference = model(first.sequences).logits[:, -1:]
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
 
 
 def test_out_of_range_token_ids_raise_before_indexing():

@@ -13,6 +13,8 @@ from tests.utils import tiny_config
         ({"num_hidden_layers": 3, "gate_layers_per_table": 2}, "gate_layers_per_table"),
         ({"gate_position": "values"}, "gate_position"),
         ({"gate_norm": "layer"}, "gate_norm"),
+        ({"rope_mode": "full"}, "rope_mode"),
+        ({"rope_mode": "exact", "rope_key_heads": 2}, "rope_mode"),
         ({"hidden_size": 0}, "hidden_size"),
         ({"kv_lora_rank": -4}, "kv_lora_rank"),
         ({"vocab_size": 0}, "vocab_size"),

@@ -51,6 +51,62 @@ def test_full_rank_all_pairs_reproduces_stories260k(stories, rope_keys, all_pair
         assert (partial(input_ids).logits - teacher(input_ids).logits).abs().max() > 1e-2
 
 
+def test_exact_rope_mode_at_full_rank_reproduces_stories260k(stories):
+    """rope_mode="exact": the whole key goes through the latent and is rotated after it is rebuilt; at full rank
+    (64 = 4 KV heads x (8 key + 8 value) rows) the converted model is the source, and it caches no rope key."""
+    teacher, input_ids = stories["teacher"], stories["held_out"][:2]
+    options = ConversionOptions(kv_lora_rank=64, rope_mode="exact", gate_embedding_dim=16)
+    student = convert_llama_to_egmla(teacher, options, stories["calibration"])
+    assert student.config.rope_mode == "exact" and student.config.kv_cache_values_per_token() == 5 * 64
+    with torch.no_grad():
+        torch.testing.assert_close(student(input_ids).logits, teacher(input_ids).logits, rtol=0, atol=1e-4)
+        assert torch.equal(
+            student.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
+            teacher.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
+        )
+    with pytest.raises(ValueError, match="rope_pairs sets the decoupled rope key"):
+        ConversionOptions(kv_cut=0.5, rope_mode="exact", rope_pairs=3)
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+         "mscale": 1.0, "mscale_all_dim": 1.0},
+    ],
+    ids=lambda params: params["rope_type"],
+)  # fmt: skip
+def test_exact_rope_mode_at_full_rank_reproduces_a_random_gqa_llama(rope_parameters):
+    teacher = tiny_llama(rope_parameters)
+    calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
+    # GQA: 2 KV heads x (16 key + 16 value) rows = 64 = hidden: full rank; K/V reach every query head.
+    options = ConversionOptions(kv_lora_rank=64, rope_mode="exact", gate_embedding_dim=8)
+    student = convert_llama_to_egmla(teacher, options, calibration)
+    assert student.model.layers[0].self_attn.kv_b_proj.out_features == 8 * (16 + 16)
+    input_ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(1))  # past the original 32
+    with torch.no_grad():
+        torch.testing.assert_close(student(input_ids).logits, teacher(input_ids).logits, rtol=0, atol=1e-4)
+        assert torch.equal(
+            student.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
+            teacher.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
+        )
+
+
+def test_exact_rope_mode_beats_the_decoupled_rope_key_at_a_50_percent_cut_on_stories260k(stories):
+    """At the same 32 values per token per layer, a 32-wide RoPE-exact latent against a rope key of 3 shared
+    pairs and a 26-wide latent: keeping RoPE exact must give the lower zero-shot perplexity."""
+    teacher, held_out = stories["teacher"], stories["held_out"]
+    statistics = calibrate(teacher, stories["calibration"])
+    results = {}
+    for mode, extra in (("exact", {}), ("decoupled", {"rope_pairs": 3})):
+        student = convert_llama_to_egmla(teacher, ConversionOptions(kv_cut=0.5, rope_mode=mode, **extra), statistics)
+        assert student.config.kv_cache_values_per_token() / student.config.num_hidden_layers == 32
+        results[mode] = perplexity(student, held_out)
+    assert results["exact"] < results["decoupled"]
+
+
 @pytest.mark.parametrize(
     "rope_parameters",
     [

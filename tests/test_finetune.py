@@ -128,7 +128,12 @@ def test_retrofit_end_to_end_on_stories260k(tmp_path):
         ]
     )
     report = json.loads((out / "conversion_report.json").read_text())
-    assert report["kv"] == {"source": 64.0, "converted": 32.0, "converted_token_id_bytes": 8.0}
+    assert report["kv"] == {
+        "source": 64.0,
+        "converted": 32.0,
+        "converted_token_id_bytes": 8.0,
+        "converted_position_bytes": 0.0,
+    }
     assert report["perplexity"]["fine-tuned"] < report["perplexity"]["zero-shot"]
     assert report["finetune"]["steps_done"] == 5 and report["sample"].startswith("Once upon a time")
 

@@ -24,7 +24,9 @@ CASES = [
 ]
 
 
-def attention_module(gate_position: str, rope_key_heads: int, gate_dim: int, gate_norm: str, dtype=torch.float32):
+def attention_module(
+    gate_position: str, rope_key_heads: int, gate_dim: int, gate_norm: str, dtype=torch.float32, rope_mode="decoupled"
+):
     torch.manual_seed(0)
     config = tiny_config(
         KERNEL,
@@ -32,6 +34,7 @@ def attention_module(gate_position: str, rope_key_heads: int, gate_dim: int, gat
         gate_embedding_dim=gate_dim,
         gate_position=gate_position,
         gate_norm=gate_norm,
+        rope_mode=rope_mode,
     )
     module = EGMLAForCausalLM(config).model.layers[0].self_attn.eval()
     with torch.no_grad():
@@ -60,7 +63,7 @@ def decode_step(module, batch_size: int, key_length: int, query_length: int, pad
         gate_rows = EGMLAGateRows(randn(batch_size * key_length, gate_width), None, batch_size, key_length)
     mask = kernels.bool_mask(None, batch_size, query_length, key_length, "cpu").clone()
     mask[0, :, :padding] = False  # the first row is left-padded
-    return EGMLALatentDecode(LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, gate_rows), mask
+    return EGMLALatentDecode(LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, gate_rows, None), mask
 
 
 def in_float32(call: EGMLALatentDecode) -> EGMLALatentDecode:
@@ -74,9 +77,9 @@ def in_float32(call: EGMLALatentDecode) -> EGMLALatentDecode:
 
 def reference(module, call: EGMLALatentDecode, mask: torch.Tensor) -> torch.Tensor:
     """The model's own (eager) decode path: re-expansion for gate_position="kv", absorbed MQA for "latent"."""
-    if module.gate_position == "latent":
+    if module.gate_position == "latent" and module.rope_mode == "decoupled":
         return module.absorbed_attention(call.q_nope, call.q_rope, call.latent, call.rope_key, mask[:, None])[0]
-    key, value = module.expand_kv(call.latent, call.rope_key, call.gate_rows)
+    key, value = module.expand_kv(call.latent, call.rope_key, call.gate_rows, call.key_rotary)
     additive = torch.zeros(mask.shape, dtype=call.q_nope.dtype).masked_fill(~mask, torch.finfo(call.q_nope.dtype).min)
     query = torch.cat([call.q_nope, call.q_rope], dim=-1)
     return eager_attention_forward(module, query, key, value, additive[:, None], scaling=module.scaling)[0]
@@ -110,7 +113,7 @@ def test_unwritten_outputs_fail_and_splits_merge(split_size):
     call, mask = decode_step(module, 2, 45, 2, 5)
     inputs = KVDecodeInputs(
         torch.cat([call.q_nope, call.q_rope], dim=-1), call.latent[:, 0], call.rope_key[:, 0],
-        call.gate_rows.rows, None, mask,
+        call.gate_rows.rows, None, None, None, mask,
     )  # fmt: skip
     weights = KVDecodeWeights(
         module.kv_b_weight(like=call.latent), module.gate_embedding_proj.weight.view(4, 28, 10),
@@ -258,7 +261,39 @@ def test_an_unknown_decode_contract_goes_to_the_reference_path(caplog):
     call, mask = decode_step(module, 1, 7, 1, 0)
     with caplog.at_level(logging.WARNING, logger="egmla.kernels.dispatch"):
         assert kernels.fused_decode(module, call._replace(version=LATENT_DECODE_VERSION + 1), mask, "compiled") is None
-    assert "decode contract is version 2" in caplog.text
+    assert f"decode contract is version {LATENT_DECODE_VERSION + 1}" in caplog.text
+
+
+@pytest.mark.parametrize("gate_position", ["kv", "latent"])
+def test_compiled_path_equals_the_reference_in_exact_rope_mode(gate_position):
+    """rope_mode="exact": the compiled path rebuilds every key from the latent and rotates it at its cached
+    position, as the reference does (each row at its own positions); Triton leaves these steps to the reference."""
+    module = attention_module(gate_position, 1, 10, "rms", rope_mode="exact")
+    rotary_emb = EGMLAForCausalLM(module.config).model.rotary_emb  # cos, sin at each row's own positions
+    for key_length in (9, 33):
+        call, mask = decode_step(module, 2, key_length, 1, 3)
+        positions = torch.stack([torch.arange(key_length), torch.arange(key_length) + 5])
+        cos, sin = rotary_emb(call.latent, positions)
+        call = call._replace(rope_key=call.rope_key[..., :0], key_rotary=module.select_rotary(cos, sin))
+        output = kernels.fused_decode(module, call, mask[:, None], "compiled")
+        assert output is not None, dispatch._compile_failed
+        assert relative_error(output, reference(module, call, mask)) <= 1e-4
+        assert kernels.fused_decode(module, call, mask[:, None], "triton") is None
+
+
+@pytest.mark.parametrize("gate_position", ["kv", "latent"])
+def test_generate_in_exact_rope_mode_with_egmla_fused_gives_the_reference_tokens(gate_position):
+    model = tiny_model(seed=1, base=FUSED, gate_std=0.3, gate_position=gate_position, rope_key_heads=1,
+                       rope_mode="exact")  # fmt: skip
+    prompts = torch.randint(1, 8, (2, 9), generator=torch.Generator().manual_seed(2))
+    attention_mask = torch.ones_like(prompts)
+    prompts[0, :3], attention_mask[0, :3] = 0, 0  # left padding: the rows' positions differ
+    settings = {"attention_mask": attention_mask, "max_new_tokens": 8, "do_sample": False}
+    model.set_attn_implementation("eager")
+    expected = model.generate(prompts, **settings)
+    for implementation in ("egmla_fused_compiled", "egmla_fused_triton"):
+        model.set_attn_implementation(implementation)
+        assert torch.equal(model.generate(prompts, **settings), expected), implementation
 
 
 def test_the_gpu_benchmark_script_runs(tmp_path):

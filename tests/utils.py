@@ -13,12 +13,17 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 STORIES260K = SHARED / "assets" / "stories260K-hf"
 TINYSTORIES = SHARED / "assets" / "text" / "tinystories_train_2MiB.txt"
 
-# The cache modes: gate off (plain MLA, both decode paths), gate on the up-projected K/V, gate on the latent.
+# The cache modes: gate off (plain MLA, both decode paths), gate on the up-projected K/V, gate on the latent;
+# each with the decoupled rope key, and with the RoPE-exact latent.
 MODES = {
     "mla": {"gate_embedding_dim": 0, "gate_position": "kv"},
     "mla-absorbed": {"gate_embedding_dim": 0, "gate_position": "latent"},
     "gate-kv": {"gate_embedding_dim": 16, "gate_position": "kv"},
     "gate-latent": {"gate_embedding_dim": 16, "gate_position": "latent"},
+    # RoPE-exact latent: every key rebuilt from the latent and rotated at its cached position (no rope key).
+    "exact": {"gate_embedding_dim": 0, "gate_position": "kv", "rope_mode": "exact"},
+    "exact-gate-kv": {"gate_embedding_dim": 16, "gate_position": "kv", "rope_mode": "exact"},
+    "exact-gate-latent": {"gate_embedding_dim": 16, "gate_position": "latent", "rope_mode": "exact"},
 }
 
 TINY = {

@@ -21,7 +21,7 @@ from ..configuration_egmla import EGMLAConfig
 from ..modeling_egmla import EGMLAForCausalLM
 from .calibration import Calibration, LayerStatistics, layer_statistics
 from .factorization import FACTORIZATIONS, RANK_ALLOCATIONS, Factorization, allocate_ranks, factorize, output_weights
-from .rope import PAIR_SELECTIONS, ROPE_KEYS, RopeSplit, llama_rope_parameters, split_rope
+from .rope import PAIR_SELECTIONS, ROPE_KEYS, ROPE_MODES, RopeSplit, llama_rope_parameters, split_rope
 from .source import load_llama
 
 GATE_POSITIONS = ("kv", "latent")
@@ -34,8 +34,9 @@ class ConversionOptions:
 
     kv_lora_rank: int | None = None  # the latent width
     kv_cut: float | None = None  # or: the fraction of the source's K/V values per token to remove
-    rope_keys: str = "shared"  # one rope key of principal components for all heads (TransMLA), or "per_head"
-    rope_pairs: int | None = None  # rotary pairs per rope key; None: head_dim // 4 (shared), head_dim // 16
+    rope_mode: str = "decoupled"  # a cached rope key beside the latent, or "exact": the whole key in the latent
+    rope_keys: str = "shared"  # decoupled: one rope key of principal components for all heads (TransMLA), or "per_head"
+    rope_pairs: int | None = None  # decoupled: pairs per rope key; None: head_dim // 4 (shared), head_dim // 16
     pair_selection: str = "rotation"  # contribution x rotation variance (ours), or "norm" (MHA2MLA's 2-norm)
     gate_embedding_dim: int = 32  # width of the gate tables (0 = plain MLA); the gate starts as the identity
     gate_position: str = "kv"
@@ -47,6 +48,7 @@ class ConversionOptions:
 
     def __post_init__(self) -> None:
         for name, allowed in (
+            ("rope_mode", ROPE_MODES),
             ("rope_keys", ROPE_KEYS),
             ("pair_selection", PAIR_SELECTIONS),
             ("gate_position", GATE_POSITIONS),
@@ -66,6 +68,8 @@ class ConversionOptions:
             raise ValueError(f"gate_embedding_dim must be >= 0 (0 turns the gate off), got {self.gate_embedding_dim}.")
         if self.damping < 0:
             raise ValueError(f"damping must be >= 0, got {self.damping}.")
+        if self.rope_mode == "exact" and self.rope_pairs is not None:
+            raise ValueError("rope_pairs sets the decoupled rope key; rope_mode='exact' keeps every pair exact.")
         if self.key_value_balance <= 0:
             raise ValueError(f"key_value_balance must be positive, got {self.key_value_balance}.")
 
@@ -105,21 +109,23 @@ def resolve_budget(source_config, options: ConversionOptions) -> Budget:
     """Rope key widths and the latent width for this source, refused with the bound when the source cannot hold
     them."""
     head_dim, key_heads = source_config.head_dim, source_config.num_key_value_heads
-    per_head = options.rope_keys == "per_head"
+    exact, per_head = options.rope_mode == "exact", options.rope_keys == "per_head"
     pairs = options.rope_pairs if options.rope_pairs is not None else default_rope_pairs(head_dim, options.rope_keys)
     max_pairs = head_dim // 2 if per_head else key_heads * head_dim // 2
-    if not 1 <= pairs <= max_pairs:
+    if exact:  # every pair of every head stays exact, inside the latent; no rope key is cached
+        pairs = head_dim // 2
+    elif not 1 <= pairs <= max_pairs:
         raise ValueError(
             f"rope_pairs must lie in [1, {max_pairs}] for rope_keys={options.rope_keys!r} (head_dim {head_dim}, "
             f"{key_heads} KV heads), got {pairs}."
         )
-    rope_key_heads = key_heads if per_head else 1
-    rope_values = rope_key_heads * 2 * pairs
+    rope_key_heads = key_heads if per_head and not exact else 1
+    rope_values = 0 if exact else rope_key_heads * 2 * pairs
     rank = options.kv_lora_rank
     if rank is None:
         rank = kv_lora_rank_for_cut(source_config, options.kv_cut, rope_values)
-    nope_dim = head_dim - 2 * pairs if per_head else head_dim
-    stacked_rows = key_heads * (nope_dim + head_dim)
+    nope_dim = 0 if exact else head_dim - 2 * pairs if per_head else head_dim
+    stacked_rows = key_heads * ((head_dim if exact else nope_dim) + head_dim)  # per KV head: rebuilt key, value
     max_rank = min(stacked_rows, source_config.hidden_size)
     if not 1 <= rank <= max_rank:
         raise ValueError(
@@ -142,7 +148,8 @@ def factorize_layer(
     query = attention.q_proj.weight.detach().double().cpu().view(config.num_attention_heads, head_dim, -1)
     key = attention.k_proj.weight.detach().double().cpu().view(key_heads, head_dim, -1)
     value = attention.v_proj.weight.detach().double().cpu().view(key_heads, head_dim, -1)
-    split = split_rope(query, key, statistics, inv_freq, options.rope_keys, budget.rope_pairs, options.pair_selection)
+    rope_keys = "exact" if options.rope_mode == "exact" else options.rope_keys
+    split = split_rope(query, key, statistics, inv_freq, rope_keys, budget.rope_pairs, options.pair_selection)
     # [Hkv * (dn + hd), D]: per KV head its NoPE key rows, then its value rows
     stacked = torch.cat([torch.cat([split.nope_key[g], value[g]]) for g in range(key_heads)])
     if options.factorization == "weight":
@@ -170,6 +177,7 @@ def student_config(
         qk_rope_head_dim=2 * budget.rope_pairs,
         v_head_dim=config.head_dim,
         rope_key_heads=budget.rope_key_heads,
+        rope_mode=options.rope_mode,
         gate_embedding_dim=options.gate_embedding_dim,
         gate_position=options.gate_position,
         gate_norm="none",  # a norm after the gate would change the function: the fresh gate must be the identity
@@ -180,7 +188,7 @@ def student_config(
         tie_word_embeddings=config.tie_word_embeddings,
         rope_parameters=llama_rope_parameters(teacher),
         rope_frequency_dim=config.head_dim,
-        rope_frequency_indices=[split.frequencies for split in splits],
+        rope_frequency_indices=None if options.rope_mode == "exact" else [split.frequencies for split in splits],
         attention_dropout=config.attention_dropout,
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
@@ -195,15 +203,17 @@ def attention_state(
     """The student's attention weights per layer from the splits and the truncated (down, up) factors."""
     source = teacher.config
     head_dim, key_heads, query_heads = source.head_dim, source.num_key_value_heads, source.num_attention_heads
-    nope_dim, group = config.qk_nope_head_dim, query_heads // key_heads
+    group = query_heads // key_heads
     # The student's softmax scale is 1/sqrt(dn + dr), the source's 1/sqrt(hd): the queries make up the difference.
     query_factor = (config.qk_head_dim / head_dim) ** 0.5
-    # The source scales whole heads by the rope's attention factor (YaRN); NoPE dims must keep it.
-    nope_factor = query_factor * teacher.model.rotary_emb.attention_scaling**2
+    # The source scales whole heads by the rope's attention factor (YaRN); NoPE dims must keep it. In "exact"
+    # mode the rows in the NoPE slot are every dim of the head, rotated (and so scaled) as in the source.
+    exact = config.rope_mode == "exact"
+    nope_factor = query_factor * (1.0 if exact else teacher.model.rotary_emb.attention_scaling**2)
     state = {}
     for layer_idx, (layer, split, (down, up)) in enumerate(zip(teacher.model.layers, splits, factors, strict=True)):
         prefix = f"model.layers.{layer_idx}.self_attn."
-        up = up.view(key_heads, nope_dim + head_dim, -1)  # per KV head: [NoPE key ; value] rows
+        up = up.view(key_heads, split.nope_key.shape[1] + head_dim, -1)  # per KV head: [rebuilt key ; value] rows
         queries = [
             torch.cat([nope_factor * split.nope_query[h], query_factor * split.rope_query[h]])
             for h in range(query_heads)

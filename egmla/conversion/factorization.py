@@ -65,12 +65,15 @@ class Factorization:
     row_weights: torch.Tensor | None = None  # R [rows, rows]
 
     def truncate(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(down [rank, D], up [rows, rank]); sigma split evenly between the two."""
+        """(down [rank, D], up [rows, rank]), each latent direction scaled so that its row of `down` and its column
+        of `up` have the same norm (the product is unchanged; in float32 it loses the least)."""
         root = self.spectrum[:rank].sqrt()
         up = self.left[:, :rank] * root[None, :]
         if self.row_weights is not None:
             up = torch.linalg.solve(self.row_weights, up)
-        return root[:, None] * self.right[:rank], up
+        down = root[:, None] * self.right[:rank]
+        balance = (up.norm(dim=0) / down.norm(dim=1).clamp(min=1e-30)).sqrt().clamp(min=1e-30)  # [rank]
+        return balance[:, None] * down, up / balance[None, :]
 
     def energy(self) -> torch.Tensor:
         """Fraction of the total squared spectrum carried by each direction, [k]."""

@@ -136,6 +136,7 @@ def kv_report(teacher: torch.nn.Module, student: torch.nn.Module, prompt: torch.
         "source": source["values_per_token_per_layer"],
         "converted": converted["values_per_token_per_layer"],
         "converted_token_id_bytes": converted["token_id_bytes_per_token"],
+        "converted_position_bytes": converted["position_bytes_per_token"],
     }
 
 

@@ -10,6 +10,12 @@ def format_table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
 
+def extra_bytes(kv: dict) -> str:
+    """The positions' bytes per token, where the mode caches them ("exact" rope)."""
+    positions = kv.get("converted_position_bytes", 0)
+    return f", {positions:.0f} B of position" if positions else ""
+
+
 def report_rows(report: dict) -> list[tuple[str, str]]:
     kv = report["kv"]
     rows = [
@@ -17,7 +23,8 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
         (
             "KV values / token / layer",
             f"{kv['source']:.1f} -> {kv['converted']:.1f} "
-            f"({1 - kv['converted'] / kv['source']:.2%} fewer; + {kv['converted_token_id_bytes']:.0f} B of token id)",
+            f"({1 - kv['converted'] / kv['source']:.2%} fewer; + {kv['converted_token_id_bytes']:.0f} B of token id"
+            f"{extra_bytes(kv)})",
         ),
     ]
     for name, value in report.get("perplexity", {}).items():

@@ -10,6 +10,7 @@ from transformers import LlamaForCausalLM
 from .calibration import LayerStatistics
 
 ROPE_KEYS = ("shared", "per_head")
+ROPE_MODES = ("decoupled", "exact")
 PAIR_SELECTIONS = ("rotation", "norm")
 
 
@@ -135,6 +136,19 @@ def split_shared(
     )
 
 
+def split_exact(query: torch.Tensor, key: torch.Tensor) -> RopeSplit:
+    """The RoPE-exact latent (`rope_mode="exact"`): no rope key; the whole key goes through the latent and is
+    rotated after it is rebuilt, so every rotary pair keeps its frequency and nothing of RoPE is approximated."""
+    dims = key.shape[-1]
+    return RopeSplit(
+        frequencies=[],
+        rope_key=key.new_zeros(0, dims),
+        rope_query=query.new_zeros(query.shape[0], 0, dims),
+        nope_key=key,
+        nope_query=query,
+    )
+
+
 def split_rope(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -144,7 +158,10 @@ def split_rope(
     pairs: int,
     selection: str,
 ) -> RopeSplit:
-    """One layer's split, query [Hq, hd, D] and key [Hkv, hd, D] (float64): `rope_keys` "per_head" or "shared"."""
+    """One layer's split, query [Hq, hd, D] and key [Hkv, hd, D] (float64): `rope_keys` "per_head", "shared", or
+    "exact" (the RoPE-exact latent)."""
+    if rope_keys == "exact":
+        return split_exact(query, key)
     if rope_keys == "per_head":
         return split_per_head(query, key, select_rope_pairs(statistics, inv_freq, pairs, selection))
     return split_shared(query, key, statistics, inv_freq, pairs, selection)

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("reference", "triton", "compiled")
 IMPLEMENTATIONS = {"egmla_fused": "auto", "egmla_fused_triton": "triton", "egmla_fused_compiled": "compiled"}
-SUPPORTED_DECODE_VERSION = 1  # of the model's EGMLALatentDecode
+SUPPORTED_DECODE_VERSION = 2  # of the model's EGMLALatentDecode
 KERNEL_OVERRIDE = os.environ.get("EGMLA_KERNEL")  # read once: a process-wide choice, not a per-call switch
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _logged: set[str] = set()
@@ -118,36 +118,46 @@ def rope_query_slots(module: torch.nn.Module, q_rope: torch.Tensor) -> torch.Ten
     return slots.view(batch_size, heads, query_length, -1)
 
 
+def kv_step(module: torch.nn.Module, call, mask: torch.Tensor, backend: str) -> torch.Tensor:
+    """A step that rebuilds every cached key and value (gate on K/V, or "exact" rope): [B, S, H, dv]."""
+    latent = call.latent[:, 0]
+    weight = module.kv_b_weight(like=latent)  # [H, dk+dv, r]
+    gated = module.gate_position == "kv"  # a gate on the latent is already in the cached latent
+    gate = module.gate_embedding_proj if gated else None
+    norm = module.gate_norm if gated else None
+    gate_weight = None
+    if gate is not None:
+        gate_weight = linear_weight(gate, gate.in_features, latent).view(module.num_heads, weight.shape[1], -1)
+    key_cos, key_sin = (call.key_rotary[0][:, 0], call.key_rotary[1][:, 0]) if call.key_rotary else (None, None)
+    inputs = KVDecodeInputs(
+        query=torch.cat([call.q_nope, call.q_rope], dim=-1),
+        latent=latent,
+        rope_key=call.rope_key[:, 0],
+        gate_rows=call.gate_rows.rows if gate is not None else None,
+        gate_index=call.gate_rows.index if gate is not None else None,
+        key_cos=key_cos,
+        key_sin=key_sin,
+        mask=mask,
+    )
+    weights = KVDecodeWeights(
+        kv_weight=weight,
+        gate_weight=gate_weight,
+        norm_weight=norm.weight if norm is not None else None,
+        norm_eps=norm.variance_epsilon if norm is not None else 0.0,
+        scaling=module.scaling,
+        nope_dim=module.qk_nope_head_dim,
+        rope_key_heads=module.rope_key_heads,
+    )
+    return kernel(backend, "decode_kv")(inputs, weights)
+
+
 def run_step(module: torch.nn.Module, call, mask: torch.Tensor, backend: str) -> torch.Tensor:
     """One decode step of an `EGMLAAttention` through `backend`: [B, S, H, dv]."""
+    if module.gate_position == "kv" or module.rope_mode == "exact":
+        return kv_step(module, call, mask, backend)
+    # Gate off or on the latent, decoupled rope: the absorbed MQA; fold W^{UK} into the query.
     latent, rope_key = call.latent[:, 0], call.rope_key[:, 0]
-    weight = module.kv_b_weight(like=latent)  # [H, dn+dv, r]
-    if module.gate_position == "kv":
-        gate, norm, rows = module.gate_embedding_proj, module.gate_norm, call.gate_rows
-        gate_weight = None
-        if gate is not None:
-            gate_weight = linear_weight(gate, gate.in_features, latent).view(module.num_heads, weight.shape[1], -1)
-        query = torch.cat([call.q_nope, call.q_rope], dim=-1)
-        inputs = KVDecodeInputs(
-            query,
-            latent,
-            rope_key,
-            rows.rows if gate is not None else None,
-            rows.index if gate is not None else None,
-            mask,
-        )
-        weights = KVDecodeWeights(
-            weight,
-            gate_weight,
-            norm.weight if norm is not None else None,
-            norm.variance_epsilon if norm is not None else 0.0,
-            module.scaling,
-            module.qk_nope_head_dim,
-            module.rope_key_heads,
-        )
-        return kernel(backend, "decode_kv")(inputs, weights)
-    # gate_position="latent": the cached latent is already gated; fold W^{UK} into the query.
-    w_uk, w_uv = weight.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)
+    w_uk, w_uv = module.kv_b_weight(like=latent).split([module.qk_nope_head_dim, module.v_head_dim], dim=1)
     query_latent = torch.einsum("bhsd,hdr->bhsr", call.q_nope, w_uk)
     inputs = LatentDecodeInputs(query_latent, rope_query_slots(module, call.q_rope), latent, rope_key, mask)
     out_latent = kernel(backend, "decode_latent")(inputs, module.scaling)  # [B, H, S, r]
@@ -163,6 +173,10 @@ def fused_decode(module: torch.nn.Module, call, attention_mask: torch.Tensor | N
         )
         return None
     if backend == "reference" or (backend == "compiled" and _compile_failed):
+        return None
+    if backend == "triton" and call.key_rotary is not None:
+        log_once("egmla_fused: the Triton kernel does not rotate rebuilt keys yet, so rope_mode='exact' decodes "
+                 "through the reference path.")  # fmt: skip
         return None
     if backend == "triton" and torch.is_grad_enabled() and (call.q_nope.requires_grad or call.latent.requires_grad):
         log_once(

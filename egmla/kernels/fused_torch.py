@@ -16,9 +16,9 @@ def decode_kv(inputs: KVDecodeInputs, weights: KVDecodeWeights) -> torch.Tensor:
     The gate depends on the token only: its product is computed once per gate row (one per distinct cached token
     when `gate_index` is given) and gathered per position.
     """
-    query, latent, rope_key, gate_rows, gate_index, mask = inputs
+    query, latent, rope_key, gate_rows, gate_index, key_cos, key_sin, mask = inputs
     kv_weight, gate_weight, norm_weight, norm_eps, scaling, nope_dim, rope_key_heads = weights
-    batch_size, heads, query_length, _ = query.shape
+    batch_size, heads, query_length, qk_dim = query.shape
     key_length = latent.shape[1]
     kv = torch.matmul(latent, kv_weight.flatten(0, 1).t()).view(batch_size, key_length, heads, -1)  # [B, T, H, C]
     if gate_weight is not None:
@@ -29,14 +29,21 @@ def decode_kv(inputs: KVDecodeInputs, weights: KVDecodeWeights) -> torch.Tensor:
         variance = kv.float().pow(2).mean(-1, keepdim=True)
         kv = norm_weight * (kv.float() * torch.rsqrt(variance + norm_eps)).to(kv.dtype)
     kv = kv.transpose(1, 2)  # [B, H, T, C]
-    key_nope, value = kv[..., :nope_dim], kv[..., nope_dim:]
-    query_nope, query_rope = query[..., :nope_dim], query[..., nope_dim:]
-    rope_dim = query_rope.shape[-1]
-    scores = torch.matmul(query_nope, key_nope.transpose(2, 3))  # [B, H, S, T]
-    # Each rope key serves a group of heads: [B, Hr, G, S, dr] x [B, Hr, 1, dr, T], no copy per head.
-    query_rope = query_rope.reshape(batch_size, rope_key_heads, heads // rope_key_heads, query_length, rope_dim)
-    rope_key = rope_key.view(batch_size, key_length, rope_key_heads, rope_dim).permute(0, 2, 3, 1).unsqueeze(2)
-    scores = scores + torch.matmul(query_rope, rope_key).view(batch_size, heads, query_length, key_length)
+    if key_cos is not None:  # "exact" rope: the rope dims of every rebuilt key turn with its cached position
+        key_nope, key_rope, value = kv.split([nope_dim, qk_dim - nope_dim, kv.shape[-1] - qk_dim], dim=-1)
+        half = key_rope.shape[-1] // 2
+        turned = torch.cat([-key_rope[..., half:], key_rope[..., :half]], dim=-1)
+        key_rope = key_rope * key_cos[:, None] + turned * key_sin[:, None]
+        scores = torch.matmul(query, torch.cat([key_nope, key_rope], dim=-1).transpose(2, 3))  # [B, H, S, T]
+    else:
+        key_nope, value = kv[..., :nope_dim], kv[..., nope_dim:]
+        query_nope, query_rope = query[..., :nope_dim], query[..., nope_dim:]
+        rope_dim = query_rope.shape[-1]
+        scores = torch.matmul(query_nope, key_nope.transpose(2, 3))  # [B, H, S, T]
+        # Each rope key serves a group of heads: [B, Hr, G, S, dr] x [B, Hr, 1, dr, T], no copy per head.
+        query_rope = query_rope.reshape(batch_size, rope_key_heads, heads // rope_key_heads, query_length, rope_dim)
+        rope_key = rope_key.view(batch_size, key_length, rope_key_heads, rope_dim).permute(0, 2, 3, 1).unsqueeze(2)
+        scores = scores + torch.matmul(query_rope, rope_key).view(batch_size, heads, query_length, key_length)
     scores = (scores.float() * scaling).masked_fill(~mask[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     return torch.matmul(probs, value).transpose(1, 2)

@@ -11,18 +11,20 @@ class KVDecodeInputs(NamedTuple):
 
     query: torch.Tensor  # [B, H, S, dn+dr], the rope part rotated
     latent: torch.Tensor  # [B, T, r]
-    rope_key: torch.Tensor  # [B, T, Hr*dr], rotated
+    rope_key: torch.Tensor  # [B, T, Hr*dr], rotated ([B, T, 0] in "exact" rope mode)
     gate_rows: torch.Tensor | None  # [U, de] gate-table rows (None: gate off)
     gate_index: torch.Tensor | None  # [B, T] the row of every position; None: one row per position, in order
+    key_cos: torch.Tensor | None  # [B, T, dr] "exact" rope: the rebuilt keys' rope dims turn with their positions
+    key_sin: torch.Tensor | None  # [B, T, dr] (None, None: decoupled rope, the rotated rope key is `rope_key`)
     mask: torch.Tensor  # [B, S, T] bool, True = attend
 
 
 class KVDecodeWeights(NamedTuple):
     """What the layer contributes: its weights and settings."""
 
-    kv_weight: torch.Tensor  # W^{UKV} [H, dn+dv, r]
-    gate_weight: torch.Tensor | None  # W^{UE} [H, dn+dv, de]
-    norm_weight: torch.Tensor | None  # gate norm [dn+dv]
+    kv_weight: torch.Tensor  # W^{UKV} [H, dk+dv, r], dk = dn (decoupled rope) or dn+dr ("exact")
+    gate_weight: torch.Tensor | None  # W^{UE} [H, dk+dv, de]
+    norm_weight: torch.Tensor | None  # gate norm [dk+dv]
     norm_eps: float
     scaling: float
     nope_dim: int
@@ -48,6 +50,8 @@ DYNAMIC_DIMS = {
         "rope_key": (0, 1),
         "gate_rows": (0,),
         "gate_index": (0, 1),
+        "key_cos": (0, 1),
+        "key_sin": (0, 1),
         "mask": (0, 1, 2),
     },
     LatentDecodeInputs: {

@@ -272,7 +272,9 @@ def decode_kv(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See `fused_torch.decode_kv`; returns [B, S, H, dv] (written into `out` when given)."""
-    query, latent, rope_key, gate_rows, gate_index, mask = inputs
+    query, latent, rope_key, gate_rows, gate_index, key_cos, _, mask = inputs
+    if key_cos is not None:
+        raise NotImplementedError("The Triton decode kernel does not rotate rebuilt keys (rope_mode='exact') yet.")
     kv_weight, gate_weight, norm_weight, norm_eps, scaling, nope_dim, rope_key_heads = weights
     batch_size, heads, query_length, qk_dim = query.shape
     key_length, rank = latent.shape[1], latent.shape[2]
