@@ -56,7 +56,15 @@ def add_text_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sampled-blocks", type=int, default=TextSettings.sampled_blocks, help="blocks to sample when no text is given"
     )
-    parser.add_argument("--eval-blocks", type=int, default=TextSettings.eval_blocks)
+    parser.add_argument(
+        "--eval-blocks", type=int, default=TextSettings.eval_blocks, help="held-out blocks scored during fine-tuning"
+    )
+    parser.add_argument(
+        "--eval-documents",
+        type=int,
+        default=TextSettings.eval_documents,
+        help="held-out documents scored whole (up to the source's context) for the report",
+    )
     parser.add_argument("--seed", type=int, default=TextSettings.seed, help="of sampling, the gate tables, training")
 
 

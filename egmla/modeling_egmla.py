@@ -624,10 +624,14 @@ class EGMLAAttention(nn.Module):
         """The configured attention function (sdpa, eager, ...) over per-head keys and values expanded from the
         latent: prefill, training, and decoding that cannot absorb."""
         key, value = self.expand_kv(latent, rope_key, gate_rows, key_rotary)
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        return attention_interface(
+        implementation = self.config._attn_implementation
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        padding = key.shape[-1] - value.shape[-1]
+        if padding > 0 and (implementation == "sdpa" or implementation.startswith(LATENT_DECODE_PREFIX)):
+            # SDPA's fused kernels need equal key and value widths (else its slow math path runs): zero-pad the
+            # values, and drop the zero outputs.
+            value = nn.functional.pad(value, (0, padding))
+        attn_output, attn_weights = attention_interface(
             self,
             torch.cat([q_nope, q_rope], dim=-1),
             key,
@@ -637,6 +641,7 @@ class EGMLAAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
+        return attn_output[..., : self.v_head_dim], attn_weights
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(

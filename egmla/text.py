@@ -111,3 +111,56 @@ def sample_blocks(
     finally:
         torch.random.set_rng_state(generator_state)
     return torch.cat(blocks)
+
+
+def document_ids(tokenizer: PreTrainedTokenizerBase, documents: list[str], max_length: int) -> list[torch.Tensor]:
+    """Each document as `<bos> document <eos>`, whole up to `max_length` tokens (the source's context)."""
+    encoded = []
+    for document in documents:
+        ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        ids += tokenizer.encode(document, add_special_tokens=False)
+        ids += [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        encoded.append(torch.tensor(ids[:max_length]))
+    return [ids for ids in encoded if len(ids) > 1]
+
+
+def position_buckets(context_length: int, first: int = 128) -> list[int]:
+    """Bucket edges 0, 128, 256, 512, ... up to the context length."""
+    edges, edge = [0], first
+    while edge < context_length:
+        edges.append(edge)
+        edge *= 2
+    return edges + [context_length]
+
+
+@torch.no_grad()
+def document_perplexity(
+    model: torch.nn.Module, documents: list[torch.Tensor], edges: list[int], batch_size: int = 8, progress: bool = False
+) -> dict:
+    """Perplexity over whole documents, each scored from its first token, overall and per bucket of the position
+    of the predicted token ([edges[i], edges[i+1]))."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    nll = torch.zeros(len(edges) - 1, dtype=torch.float64)
+    count = torch.zeros(len(edges) - 1, dtype=torch.float64)
+    order = sorted(range(len(documents)), key=lambda index: len(documents[index]))  # little padding per batch
+    starts = range(0, len(order), batch_size)
+    for start in tqdm(starts, desc="scoring documents", unit="batch", leave=False, disable=not progress):
+        batch = [documents[index] for index in order[start : start + batch_size]]
+        ids = torch.nn.utils.rnn.pad_sequence(batch, batch_first=True, padding_value=0).to(device)
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(d) for d in batch], batch_first=True).to(device)
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
+        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").cpu()
+        valid = mask[:, 1:].bool().cpu()
+        positions = torch.arange(1, ids.shape[1]).expand_as(valid)  # the position of each predicted token
+        bucket = torch.bucketize(positions.contiguous(), torch.tensor(edges[1:-1]), right=True)
+        nll.index_add_(0, bucket[valid], losses[valid].double())
+        count.index_add_(0, bucket[valid], torch.ones(int(valid.sum()), dtype=torch.float64))
+    model.train(was_training)
+    rows = [
+        {"start": edges[i], "end": edges[i + 1], "tokens": int(count[i]), "perplexity": math.exp(nll[i] / count[i])}
+        for i in range(len(count))
+        if count[i] > 0
+    ]
+    return {"perplexity": math.exp(nll.sum() / count.sum()), "tokens": int(count.sum()), "buckets": rows}

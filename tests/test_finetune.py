@@ -123,6 +123,8 @@ def test_retrofit_end_to_end_on_stories260k(tmp_path):
             "16",
             "--eval-blocks",
             "16",
+            "--eval-documents",
+            "16",
             "--eval-every",
             "0",
         ]
@@ -199,6 +201,8 @@ def test_finetune_cli_refuses_an_existing_output_and_resumes(tmp_path, capsys):
             "8",
             "--eval-blocks",
             "4",
+            "--eval-documents",
+            "8",
         ]
     )
     out = tmp_path / "tuned"
@@ -215,6 +219,8 @@ def test_finetune_cli_refuses_an_existing_output_and_resumes(tmp_path, capsys):
         "64",
         "--eval-blocks",
         "4",
+        "--eval-documents",
+        "8",
         "--batch-size",
         "4",
         "--eval-every",

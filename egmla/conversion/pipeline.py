@@ -13,10 +13,19 @@ from transformers import AutoModelForCausalLM
 from ..data import EXCERPT
 from ..measure import kv_values_per_token
 from ..outputs import atomic_folder, check_output_folder
-from ..text import mean_loss, perplexity, read_documents, sample_blocks, split_documents, token_blocks
+from ..text import (
+    document_ids,
+    document_perplexity,
+    perplexity,
+    position_buckets,
+    read_documents,
+    sample_blocks,
+    split_documents,
+    token_blocks,
+)
 from ..training import FinetuneSettings, finetune, settings_summary
 from .convert import ConversionOptions, convert_llama_to_egmla, resolve_budget
-from .report import ppl_or_none, print_report, write_model_card
+from .report import print_report, write_model_card
 from .source import load_llama, load_tokenizer, split_gguf
 
 # The main job's defaults where they differ from the dataclasses': MHA2MLA's 68.75% cut of SmolLM2-135M, sized to
@@ -41,14 +50,16 @@ class TextSettings:
     block_size: int = 256
     calibration_blocks: int = 64
     sampled_blocks: int = 64
-    eval_blocks: int = 64
+    eval_blocks: int = 64  # of held-out blocks, for the evaluations during fine-tuning
+    eval_documents: int = 100  # held-out documents scored whole, each from its first token, for the report
     seed: int = 0
 
 
 @dataclass
 class TextData:
     fit: torch.Tensor
-    held_out: torch.Tensor
+    held_out: torch.Tensor  # blocks [N, block_size], for the evaluations during fine-tuning
+    documents: list[torch.Tensor]  # whole held-out documents up to the source's context, for the report
     description: dict = field(default_factory=dict)
 
 
@@ -70,7 +81,26 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
         held_out_documents = read_documents(eval_path)
         eval_source = str(eval_path)
     held_out = token_blocks(tokenizer, held_out_documents, settings.block_size)[: settings.eval_blocks]
-    return TextData(fit, held_out, {"fit_text": fit_source, "eval_text": eval_source, "eval_tokens": held_out.numel()})
+    context = teacher.config.max_position_embeddings
+    documents = document_ids(tokenizer, held_out_documents[: settings.eval_documents], context)
+    description = {
+        "fit_text": fit_source,
+        "eval_text": eval_source,
+        "eval_documents": len(documents),
+        "eval_tokens": sum(len(document) - 1 for document in documents),
+        "eval_context": context,
+    }
+    return TextData(fit, held_out, documents, description)
+
+
+def score_documents(models: dict[str, torch.nn.Module], text: TextData) -> dict:
+    """Held-out perplexity of each model over whole documents (the report's figures), overall and per position."""
+    edges = position_buckets(text.description["eval_context"])
+    scores = {name: document_perplexity(model, text.documents, edges, progress=True) for name, model in models.items()}
+    return {
+        "perplexity": {name: score["perplexity"] for name, score in scores.items()},
+        "perplexity_by_position": {name: score["buckets"] for name, score in scores.items()},
+    }
 
 
 @dataclass
@@ -94,15 +124,14 @@ def run_conversion(job: ConversionJob) -> dict:
     teacher, tokenizer = load_llama(job.source), load_tokenizer(job.source)
     text = prepare_text(teacher, tokenizer, job.text)
     student = convert_llama_to_egmla(teacher, job.options, text.fit[: job.text.calibration_blocks])
-    losses = {
-        "source": mean_loss(teacher, text.held_out, progress=True),
-        "zero-shot": mean_loss(student, text.held_out, progress=True),
-    }
+    scores = score_documents({"source": teacher, "zero-shot": student}, text)
     finetune_summary = None
     if job.finetune is not None:
         result = finetune(student, teacher, text.fit, job.finetune, eval_blocks=text.held_out)
         student = result.model
-        losses["fine-tuned"] = mean_loss(student, text.held_out, progress=True)
+        tuned = score_documents({"fine-tuned": student}, text)
+        for key in scores:
+            scores[key].update(tuned[key])
         finetune_summary = {**result_summary(result), **settings_summary(job.finetune)}
 
     report = {
@@ -111,7 +140,7 @@ def run_conversion(job: ConversionJob) -> dict:
         "budget": {**asdict(resolve_budget(teacher.config, job.options)), "kv_lora_rank": student.config.kv_lora_rank},
         **text.description,
         "kv": kv_report(teacher, student, text.held_out[:2, :32]),
-        "perplexity": {name: ppl_or_none(loss) for name, loss in losses.items()},
+        **scores,
         "finetune": finetune_summary,
     }
     if job.sample_prompt:
@@ -171,14 +200,15 @@ def run_finetune(job: FinetuneJob) -> dict:
     student = AutoModelForCausalLM.from_pretrained(job.student, dtype=torch.float32)
     teacher, tokenizer = load_llama(job.teacher), load_tokenizer(job.teacher)
     text = prepare_text(teacher, tokenizer, job.text)
-    before = mean_loss(student, text.held_out, progress=True)
+    before = score_documents({"before": student}, text)
     result = finetune(student, teacher, text.fit, job.settings, eval_blocks=text.held_out)
-    after = mean_loss(result.model, text.held_out, progress=True)
+    after = score_documents({"after": result.model}, text)
     summary = {
         "student": job.student,
         "teacher": job.teacher,
         **text.description,
-        "perplexity": {"before": ppl_or_none(before), "after": ppl_or_none(after)},
+        "perplexity": {**before["perplexity"], **after["perplexity"]},
+        "perplexity_by_position": {**before["perplexity_by_position"], **after["perplexity_by_position"]},
         **result_summary(result),
         "settings": settings_summary(job.settings),
     }

@@ -1,7 +1,6 @@
 """What a conversion report says: KV values per token measured on real caches, perplexities, a model card."""
 
 import json
-import math
 from pathlib import Path
 
 
@@ -29,7 +28,7 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
     ]
     for name, value in report.get("perplexity", {}).items():
         if value is not None:
-            rows.append((f"held-out perplexity, {name}", f"{value:.3f}"))
+            rows.append((f"held-out perplexity, {name}", f"{value:.3f} (whole documents)"))
     source_ppl = report.get("perplexity", {}).get("source")
     for name in ("zero-shot", "fine-tuned"):
         value = report.get("perplexity", {}).get(name)
@@ -38,9 +37,26 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def position_table(report: dict) -> str:
+    """Held-out perplexity per bucket of positions, one column per model (source, zero-shot, fine-tuned)."""
+    by_position = report.get("perplexity_by_position", {})
+    if not by_position:
+        return ""
+    names = list(by_position)
+    header = "| positions | tokens | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names)
+    lines = [header]
+    for index, bucket in enumerate(by_position[names[0]]):
+        values = " | ".join(f"{by_position[name][index]['perplexity']:.3f}" for name in names)
+        lines.append(f"| {bucket['start']}-{bucket['end']} | {bucket['tokens']:,} | {values} |")
+    return "\n".join(lines)
+
+
 def print_report(report: dict) -> None:
     print("\nEG-MLA conversion report")
     print(format_table(report_rows(report)))
+    if report.get("perplexity_by_position"):
+        print(f"\nheld-out perplexity by position ({report.get('eval_documents')} whole documents):")
+        print(position_table(report))
 
 
 def write_model_card(folder: Path, report: dict) -> None:
@@ -73,8 +89,11 @@ model = AutoModelForCausalLM.from_pretrained("<this folder or repo>", trust_remo
 |---|---|
 {table}
 
-KV values are read from the cache objects of real `generate` calls; perplexities are on held-out text never
-used for fitting ({report.get("eval_text", "see the report")}).
+KV values are read from the cache objects of real `generate` calls; perplexities are on held-out documents
+never used for fitting, each scored whole from its first token up to the source's context
+({report.get("eval_text", "see the report")}).
+
+{position_table(report)}
 
 ## Settings
 
@@ -85,7 +104,3 @@ The conversion options, then the budget they resolve to for this source (values 
 {settings}
 """
     (folder / "README.md").write_text(card)
-
-
-def ppl_or_none(loss: float | None) -> float | None:
-    return math.exp(loss) if loss is not None else None
