@@ -79,10 +79,10 @@ def add_conversion_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rope-mode",
-        choices=["decoupled", "exact"],
+        choices=["auto", "exact", "decoupled"],
         default=ConversionOptions.rope_mode,
-        help="a cached rope key beside the latent (DeepSeek), or every key rebuilt from the latent and rotated "
-        "exactly (no absorbed decode)",
+        help="exact: every key rebuilt from the latent and rotated (no absorbed decode); decoupled: a cached rope "
+        "key beside the latent (DeepSeek); auto: the better of both on held-out calibration blocks",
     )
     parser.add_argument(
         "--rope-keys",

@@ -51,6 +51,28 @@ def test_full_rank_all_pairs_reproduces_stories260k(stories, rope_keys, all_pair
         assert (partial(input_ids).logits - teacher(input_ids).logits).abs().max() > 1e-2
 
 
+def test_the_default_split_is_searched_reported_and_the_best_one_kept(tmp_path):
+    """With only a budget, `egmla convert` compares the RoPE-exact latent and decoupled rope keys of several widths
+    at that budget on held-out calibration blocks, keeps the best, and reports each with its decode path."""
+    needs_shared(STORIES260K)
+    needs_shared(TINYSTORIES)
+    out = tmp_path / "out"
+    main(["convert", str(STORIES260K), "--out", str(out), "--kv-cut", "0.5", "--train-text", str(TINYSTORIES),
+          "--calibration-blocks", "24", "--eval-documents", "12"])  # fmt: skip
+    report = json.loads((out / "conversion_report.json").read_text())
+    candidates = report["candidates"][1:]
+    assert report["candidates"][0]["candidate"] == "source" and len(candidates) >= 3
+    assert {row["values_per_token_per_layer"] for row in candidates} == {32}  # one budget
+    assert {row["rope_mode"] for row in candidates} == {"exact", "decoupled"}
+    chosen = [row for row in candidates if row.get("chosen")]
+    assert len(chosen) == 1 and chosen[0]["perplexity"] == min(row["perplexity"] for row in candidates)
+    assert report["options"]["rope_mode"] == chosen[0]["rope_mode"] and report["kv"]["converted"] == 32
+    assert all(row["decode"] for row in candidates)
+    assert chosen[0]["candidate"] in (out / "README.md").read_text()
+    with pytest.raises(ValueError, match="rope_mode='auto' compares candidates"):
+        convert_llama_to_egmla(tiny_llama(), ConversionOptions(kv_lora_rank=8, factorization="weight"))
+
+
 def test_exact_rope_mode_at_full_rank_reproduces_stories260k(stories):
     """rope_mode="exact": the whole key goes through the latent and is rotated after it is rebuilt; at full rank
     (64 = 4 KV heads x (8 key + 8 value) rows) the converted model is the source, and it caches no rope key."""

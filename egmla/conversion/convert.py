@@ -34,7 +34,9 @@ class ConversionOptions:
 
     kv_lora_rank: int | None = None  # the latent width
     kv_cut: float | None = None  # or: the fraction of the source's K/V values per token to remove
-    rope_mode: str = "decoupled"  # a cached rope key beside the latent, or "exact": the whole key in the latent
+    # "exact": the whole key in the latent, rotated when rebuilt; "decoupled": a cached rope key beside the latent;
+    # "auto": the best of both on held-out calibration blocks (egmla.conversion.search), at the same budget.
+    rope_mode: str = "auto"
     rope_keys: str = "shared"  # decoupled: one rope key of principal components for all heads (TransMLA), or "per_head"
     rope_pairs: int | None = None  # decoupled: pairs per rope key; None: head_dim // 4 (shared), head_dim // 16
     pair_selection: str = "rotation"  # contribution x rotation variance (ours), or "norm" (MHA2MLA's 2-norm)
@@ -48,7 +50,7 @@ class ConversionOptions:
 
     def __post_init__(self) -> None:
         for name, allowed in (
-            ("rope_mode", ROPE_MODES),
+            ("rope_mode", (*ROPE_MODES, "auto")),
             ("rope_keys", ROPE_KEYS),
             ("pair_selection", PAIR_SELECTIONS),
             ("gate_position", GATE_POSITIONS),
@@ -68,6 +70,8 @@ class ConversionOptions:
             raise ValueError(f"gate_embedding_dim must be >= 0 (0 turns the gate off), got {self.gate_embedding_dim}.")
         if self.damping < 0:
             raise ValueError(f"damping must be >= 0, got {self.damping}.")
+        if self.rope_mode == "auto" and (self.rope_pairs is not None or self.rope_keys != "shared"):
+            object.__setattr__(self, "rope_mode", "decoupled")  # explicit rope-key flags leave nothing to choose
         if self.rope_mode == "exact" and self.rope_pairs is not None:
             raise ValueError("rope_pairs sets the decoupled rope key; rope_mode='exact' keeps every pair exact.")
         if self.key_value_balance <= 0:
@@ -109,6 +113,8 @@ def resolve_budget(source_config, options: ConversionOptions) -> Budget:
     """Rope key widths and the latent width for this source, refused with the bound when the source cannot hold
     them."""
     head_dim, key_heads = source_config.head_dim, source_config.num_key_value_heads
+    if options.rope_mode == "auto":
+        raise ValueError("rope_mode='auto' is resolved by egmla.conversion.search.choose_split before the budget.")
     exact, per_head = options.rope_mode == "exact", options.rope_keys == "per_head"
     pairs = options.rope_pairs if options.rope_pairs is not None else default_rope_pairs(head_dim, options.rope_keys)
     max_pairs = head_dim // 2 if per_head else key_heads * head_dim // 2
@@ -255,6 +261,16 @@ def convert_llama_to_egmla(
             `factorization="weight"`.
     """
     teacher = load_llama(source)
+    if options.rope_mode == "auto":
+        # The search converts each candidate through this function, so it is imported here, not at the top.
+        from .search import choose_split
+
+        if not isinstance(calibration, torch.Tensor):
+            raise ValueError(
+                "rope_mode='auto' compares candidates on held-out calibration blocks: pass token ids [N, S] as "
+                "calibration, or choose rope_mode='exact' or 'decoupled'."
+            )
+        options, _, calibration = choose_split(teacher, options, calibration)
     budget = resolve_budget(teacher.config, options)
     if calibration is None and options.factorization == "activation":
         raise ValueError(

@@ -26,6 +26,7 @@ from ..text import (
 from ..training import FinetuneSettings, finetune, settings_summary
 from .convert import ConversionOptions, convert_llama_to_egmla, resolve_budget
 from .report import print_report, write_model_card
+from .search import choose_split
 from .source import load_llama, load_tokenizer, split_gguf
 
 # The main job's defaults where they differ from the dataclasses': MHA2MLA's 68.75% cut of SmolLM2-135M, sized to
@@ -123,7 +124,8 @@ def run_conversion(job: ConversionJob) -> dict:
     started = time.time()
     teacher, tokenizer = load_llama(job.source), load_tokenizer(job.source)
     text = prepare_text(teacher, tokenizer, job.text)
-    student = convert_llama_to_egmla(teacher, job.options, text.fit[: job.text.calibration_blocks])
+    options, candidates, statistics = choose_split(teacher, job.options, text.fit[: job.text.calibration_blocks])
+    student = convert_llama_to_egmla(teacher, options, statistics)
     scores = score_documents({"source": teacher, "zero-shot": student}, text)
     finetune_summary = None
     if job.finetune is not None:
@@ -136,8 +138,9 @@ def run_conversion(job: ConversionJob) -> dict:
 
     report = {
         "source": str(job.source),
-        "options": asdict(job.options),
-        "budget": {**asdict(resolve_budget(teacher.config, job.options)), "kv_lora_rank": student.config.kv_lora_rank},
+        "options": asdict(options),
+        "budget": {**asdict(resolve_budget(teacher.config, options)), "kv_lora_rank": student.config.kv_lora_rank},
+        "candidates": candidates,
         **text.description,
         "kv": kv_report(teacher, student, text.held_out[:2, :32]),
         **scores,

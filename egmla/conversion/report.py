@@ -51,9 +51,28 @@ def position_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def candidate_table(report: dict) -> str:
+    """The splits the default search compared at the same budget (zero-shot, held-out calibration blocks)."""
+    rows = report.get("candidates") or []
+    if not rows:
+        return ""
+    source = rows[0]["perplexity"]
+    lines = ["| split | values/token/layer | perplexity | vs source | decode |", "|---|---|---|---|---|"]
+    for row in rows[1:]:
+        mark = " (chosen)" if row.get("chosen") else ""
+        lines.append(
+            f"| {row['candidate']}{mark} | {row['values_per_token_per_layer']} | {row['perplexity']:.3f} "
+            f"| {row['perplexity'] / source - 1:+.1%} | {row['decode']} |"
+        )
+    return "\n".join(lines)
+
+
 def print_report(report: dict) -> None:
     print("\nEG-MLA conversion report")
     print(format_table(report_rows(report)))
+    if report.get("candidates"):
+        print(f"\nsplits compared at this budget (source {report['candidates'][0]['perplexity']:.3f}):")
+        print(candidate_table(report))
     if report.get("perplexity_by_position"):
         print(f"\nheld-out perplexity by position ({report.get('eval_documents')} whole documents):")
         print(position_table(report))
@@ -94,6 +113,8 @@ never used for fitting, each scored whole from its first token up to the source'
 ({report.get("eval_text", "see the report")}).
 
 {position_table(report)}
+
+{candidate_table(report)}
 
 ## Settings
 
