@@ -20,6 +20,7 @@ from .conversion.pipeline import (
     run_finetune,
     run_ppl,
 )
+from .conversion.reconstruction import ReconstructionSettings
 from .data import smollm2_gguf
 from .quickstart import QuickstartSettings, run_quickstart
 from .training import FinetuneSettings
@@ -111,6 +112,27 @@ def add_conversion_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-value-balance", type=float, default=ConversionOptions.key_value_balance)
 
 
+def add_reconstruction_options(parser: argparse.ArgumentParser) -> None:
+    defaults = ReconstructionSettings
+    parser.add_argument(
+        "--reconstruction-steps",
+        type=int,
+        default=defaults.steps,
+        help="Adam steps fitting each attention block to the source's output, layer by layer (0: off)",
+    )
+    parser.add_argument("--reconstruction-batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--reconstruction-learning-rate", type=float, default=defaults.learning_rate)
+
+
+def reconstruction_settings(args: argparse.Namespace) -> ReconstructionSettings:
+    return ReconstructionSettings(
+        steps=args.reconstruction_steps,
+        batch_size=args.reconstruction_batch_size,
+        learning_rate=args.reconstruction_learning_rate,
+        seed=args.seed,
+    )
+
+
 def add_training_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=FinetuneSettings.steps)
     parser.add_argument("--batch-size", type=int, default=FinetuneSettings.batch_size)
@@ -152,6 +174,7 @@ def retrofit_command(args: argparse.Namespace) -> None:
         out=args.out,
         options=conversion_options(args),
         text=from_args(TextSettings, args),
+        reconstruction=reconstruction_settings(args),
         finetune=from_args(FinetuneSettings, args) if args.steps > 0 else None,
         overwrite=args.overwrite,
         sample_prompt=args.prompt,
@@ -164,7 +187,8 @@ def convert_command(args: argparse.Namespace) -> None:
     if out is None:
         raise ValueError("give the output folder: --out DIR")
     options, text = conversion_options(args), from_args(TextSettings, args)
-    run_conversion(ConversionJob(args.source, out, options, text, overwrite=args.overwrite))
+    job = ConversionJob(args.source, out, options, text, reconstruction_settings(args), overwrite=args.overwrite)
+    run_conversion(job)
 
 
 def finetune_command(args: argparse.Namespace) -> None:
@@ -231,6 +255,7 @@ def add_retrofit(commands) -> None:
     retrofit.add_argument("--overwrite", action="store_true")
     retrofit.add_argument("--prompt", default="Once upon a time", help="prompt of the printed sample")
     add_conversion_options(retrofit)
+    add_reconstruction_options(retrofit)
     add_text_options(retrofit)
     add_training_options(retrofit)
     retrofit.set_defaults(handler=retrofit_command, **RETROFIT_DEFAULTS)
@@ -243,6 +268,7 @@ def add_convert(commands) -> None:
     convert.add_argument("--out", type=Path, default=None)
     convert.add_argument("--overwrite", action="store_true")
     add_conversion_options(convert)
+    add_reconstruction_options(convert)
     add_text_options(convert)
     convert.set_defaults(handler=convert_command)
 

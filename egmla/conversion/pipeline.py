@@ -25,6 +25,7 @@ from ..text import (
 )
 from ..training import FinetuneSettings, finetune, settings_summary
 from .convert import ConversionOptions, convert_llama_to_egmla, resolve_budget
+from .reconstruction import ReconstructionSettings, reconstruct_layers
 from .report import print_report, write_model_card
 from .search import choose_split
 from .source import load_llama, load_tokenizer, split_gguf
@@ -112,6 +113,7 @@ class ConversionJob:
     out: Path
     options: ConversionOptions
     text: TextSettings
+    reconstruction: ReconstructionSettings = ReconstructionSettings()
     finetune: FinetuneSettings | None = None  # None: convert only
     overwrite: bool = False
     sample_prompt: str | None = None
@@ -124,9 +126,14 @@ def run_conversion(job: ConversionJob) -> dict:
     started = time.time()
     teacher, tokenizer = load_llama(job.source), load_tokenizer(job.source)
     text = prepare_text(teacher, tokenizer, job.text)
-    options, candidates, statistics = choose_split(teacher, job.options, text.fit[: job.text.calibration_blocks])
+    calibration = text.fit[: job.text.calibration_blocks]
+    options, candidates, statistics = choose_split(teacher, job.options, calibration)
     student = convert_llama_to_egmla(teacher, options, statistics)
     scores = score_documents({"source": teacher, "zero-shot": student}, text)
+    layers = reconstruct_layers(student, teacher, calibration, job.reconstruction)
+    if layers:
+        for key, value in score_documents({"layer-wise": student}, text).items():
+            scores[key].update(value)
     finetune_summary = None
     if job.finetune is not None:
         result = finetune(student, teacher, text.fit, job.finetune, eval_blocks=text.held_out)
@@ -141,6 +148,7 @@ def run_conversion(job: ConversionJob) -> dict:
         "options": asdict(options),
         "budget": {**asdict(resolve_budget(teacher.config, options)), "kv_lora_rank": student.config.kv_lora_rank},
         "candidates": candidates,
+        "reconstruction": {**asdict(job.reconstruction), "layers": layers},
         **text.description,
         "kv": kv_report(teacher, student, text.held_out[:2, :32]),
         **scores,

@@ -30,7 +30,7 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
         if value is not None:
             rows.append((f"held-out perplexity, {name}", f"{value:.3f} (whole documents)"))
     source_ppl = report.get("perplexity", {}).get("source")
-    for name in ("zero-shot", "fine-tuned"):
+    for name in ("zero-shot", "layer-wise", "fine-tuned"):
         value = report.get("perplexity", {}).get(name)
         if source_ppl and value:
             rows.append((f"  {name} vs source", f"{value / source_ppl - 1:+.2%}"))

@@ -1,0 +1,148 @@
+"""Layer-wise reconstruction: after factorization, fit each converted attention block, first layer to last, so that
+the student's residual stream after the block matches the source's on calibration blocks.
+
+The student block reads the student's own residual stream (the already converted and fitted prefix), and its
+target is the source's stream after the same block: it learns to undo the drift of the layers before it instead
+of letting errors compound. Only the block's parameters move (its projections, and its gate table and W^{UE}
+when the gate is on); the rest stays the source's. A block whose fit does not lower its error keeps its
+closed-form weights.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from tqdm.auto import tqdm
+from transformers import LlamaForCausalLM
+
+from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
+
+
+@dataclass(frozen=True)
+class ReconstructionSettings:
+    """How long and how fast each attention block is fitted (`steps=0` turns the stage off)."""
+
+    steps: int = 200  # Adam steps per layer
+    batch_size: int = 4  # calibration blocks per step
+    learning_rate: float = 1e-3
+    fit_gate: bool = True  # fit the gate tables and W^{UE} too (False: the gate stays exactly the identity)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"reconstruction steps must be >= 0 (0 turns it off), got {self.steps}.")
+        if self.batch_size <= 0 or self.learning_rate <= 0:
+            raise ValueError(
+                f"reconstruction batch_size and learning_rate must be positive, got {self.batch_size}, "
+                f"{self.learning_rate}."
+            )
+
+
+class LayerStreams(NamedTuple):
+    """One layer's calibration data, [N, S, D] each."""
+
+    student_in: torch.Tensor  # the student's residual stream entering the layer
+    teacher_in: torch.Tensor  # the source's
+    target: torch.Tensor  # the source's stream after its attention block
+
+
+def student_attention(model: EGMLAForCausalLM, layer_idx: int, hidden: torch.Tensor, token_ids, rotary):
+    """The student's residual stream after the attention block of layer `layer_idx`."""
+    layer, config = model.model.layers[layer_idx], model.config
+    gate_rows = None
+    if config.gate_enabled:
+        table = model.model.gate_embeddings[layer_idx // config.gate_layers_per_table]
+        (gate_rows,) = look_up_gate_rows(torch.nn.ModuleList([table]), token_ids)
+    attention, _ = layer.self_attn(layer.input_layernorm(hidden), rotary, None, gate_rows=gate_rows)
+    return hidden + attention
+
+
+def block_parameters(model: EGMLAForCausalLM, layer_idx: int, fit_gate: bool) -> list[torch.nn.Parameter]:
+    """What a layer's fit moves: its attention block, with its gate table and W^{UE} when the gate is fitted (a
+    table shared by several layers moves with the first of them)."""
+    attention = model.model.layers[layer_idx].self_attn
+    gate = {
+        id(p) for module in (attention.gate_embedding_proj, attention.gate_norm) if module for p in module.parameters()
+    }
+    parameters = [p for p in attention.parameters() if fit_gate or id(p) not in gate]
+    per_table = model.config.gate_layers_per_table
+    if fit_gate and model.config.gate_enabled and layer_idx % per_table == 0:
+        parameters += list(model.model.gate_embeddings[layer_idx // per_table].parameters())
+    return parameters
+
+
+def block_error(output: torch.Tensor, streams: LayerStreams, rows=slice(None)) -> torch.Tensor:
+    """|output - target|^2 / |target - input|^2: the block's error relative to what the source's block adds."""
+    target = streams.target[rows]
+    return (output - target).pow(2).sum() / (target - streams.teacher_in[rows]).pow(2).sum().clamp(min=1e-30)
+
+
+def fit_layer(model, layer_idx: int, streams: LayerStreams, blocks, rotary, settings: ReconstructionSettings) -> dict:
+    """Adam with cosine decay on one block; its error on all calibration blocks before and after."""
+    parameters = block_parameters(model, layer_idx, settings.fit_gate)
+    start = [parameter.detach().clone() for parameter in parameters]
+    with torch.no_grad():
+        before = block_error(student_attention(model, layer_idx, streams.student_in, blocks, rotary), streams).item()
+    optimizer = torch.optim.Adam(parameters, lr=settings.learning_rate)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / settings.steps))
+    )
+    generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + layer_idx)
+    for parameter in parameters:
+        parameter.requires_grad_(True)
+    for _ in range(settings.steps):
+        rows = torch.randint(0, len(blocks), (settings.batch_size,), generator=generator)
+        output = student_attention(model, layer_idx, streams.student_in[rows], blocks[rows], rotary)
+        loss = block_error(output, streams, rows)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+    for parameter in parameters:
+        parameter.requires_grad_(False)
+    with torch.no_grad():
+        after = block_error(student_attention(model, layer_idx, streams.student_in, blocks, rotary), streams).item()
+        if after >= before:  # keep the closed-form block
+            for parameter, value in zip(parameters, start, strict=True):
+                parameter.copy_(value)
+    return {"layer": layer_idx, "before": before, "after": min(before, after), "fitted": after < before}
+
+
+@torch.no_grad()
+def next_streams(teacher, student, layer_idx: int, streams: LayerStreams, blocks, rotaries) -> tuple:
+    """Both residual streams after layer `layer_idx` (attention and MLP)."""
+    teacher_layer, student_layer = teacher.model.layers[layer_idx], student.model.layers[layer_idx]
+    teacher_out = streams.target + teacher_layer.mlp(teacher_layer.post_attention_layernorm(streams.target))
+    after = student_attention(student, layer_idx, streams.student_in, blocks, rotaries[1])
+    student_out = after + student_layer.mlp(student_layer.post_attention_layernorm(after))
+    return student_out, teacher_out
+
+
+def reconstruct_layers(
+    student: EGMLAForCausalLM, teacher: LlamaForCausalLM, blocks: torch.Tensor, settings: ReconstructionSettings
+) -> list[dict]:
+    """Fits every attention block of `student` in place, on calibration token blocks [N, S] (see the module
+    docstring); per layer, the block error before and after. The caller's random state is left as it was."""
+    if settings.steps == 0:
+        return []
+    student.eval()
+    for parameter in student.parameters():
+        parameter.requires_grad_(False)
+    positions = torch.arange(blocks.shape[1])[None]
+    with torch.no_grad():
+        student_in, teacher_in = student.model.embed_tokens(blocks), teacher.model.embed_tokens(blocks)
+        rotaries = teacher.model.rotary_emb(teacher_in, positions), student.model.rotary_emb(student_in, positions)
+    rows = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        for layer_idx in tqdm(range(student.config.num_hidden_layers), desc="fitting layers", unit="layer"):
+            teacher_layer = teacher.model.layers[layer_idx]
+            with torch.no_grad():
+                attention, _ = teacher_layer.self_attn(teacher_layer.input_layernorm(teacher_in), rotaries[0], None)
+            streams = LayerStreams(student_in, teacher_in, teacher_in + attention)
+            rows.append(fit_layer(student, layer_idx, streams, blocks, rotaries[1], settings))
+            student_in, teacher_in = next_streams(teacher, student, layer_idx, streams, blocks, rotaries)
+    for parameter in student.parameters():
+        parameter.requires_grad_(True)
+    return rows
