@@ -134,7 +134,12 @@ def reconstruction_settings(args: argparse.Namespace) -> ReconstructionSettings:
 
 
 def add_training_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=FinetuneSettings.steps)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=FinetuneSettings.steps,
+        help="optimizer steps (retrofit: what fits in --max-minutes)",
+    )
     parser.add_argument("--batch-size", type=int, default=FinetuneSettings.batch_size)
     parser.add_argument("--learning-rate", "--lr", type=float, default=FinetuneSettings.learning_rate)
     parser.add_argument("--warmup-steps", type=int, default=FinetuneSettings.warmup_steps)
@@ -175,7 +180,7 @@ def retrofit_command(args: argparse.Namespace) -> None:
         options=conversion_options(args),
         text=from_args(TextSettings, args),
         reconstruction=reconstruction_settings(args),
-        finetune=from_args(FinetuneSettings, args) if args.steps > 0 else None,
+        finetune=from_args(FinetuneSettings, args) if args.steps is None or args.steps > 0 else None,
         overwrite=args.overwrite,
         sample_prompt=args.prompt,
     )

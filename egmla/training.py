@@ -8,6 +8,7 @@ the batch of every step is a function of (seed, step), so a resumed run sees the
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import shutil
@@ -51,7 +52,7 @@ def gate_table_names(config: EGMLAConfig) -> list[str]:
 
 @dataclass
 class FinetuneSettings:
-    steps: int = 200
+    steps: int | None = 200  # None: as many as fit in `max_minutes` (timed on the first batch)
     batch_size: int = 8
     learning_rate: float = 1e-3
     warmup_steps: int = 10
@@ -72,7 +73,9 @@ class FinetuneSettings:
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step on each process
 
     def __post_init__(self) -> None:
-        if self.steps <= 0:
+        if self.steps is None and self.max_minutes is None:
+            raise ValueError("steps=None sizes the run to max_minutes: give max_minutes too.")
+        if self.steps is not None and self.steps <= 0:
             raise ValueError(f"steps must be positive, got {self.steps}.")
         if self.gradient_accumulation_steps <= 0:
             raise ValueError(f"gradient_accumulation_steps must be positive, got {self.gradient_accumulation_steps}.")
@@ -97,6 +100,7 @@ class FinetuneResult:
     seconds: float
     history: list[dict] = field(default_factory=list)  # {"step", "loss"} and {"step", "held_out_loss"}
     stopped_early: bool = False
+    steps_planned: int | None = None  # the schedule's length (budgeted when `steps` was None)
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -127,7 +131,7 @@ def with_lora(model: EGMLAForCausalLM, settings: FinetuneSettings) -> PeftModel:
     return get_peft_model(model, config)
 
 
-def save_checkpoint(accelerator: Accelerator, folder: Path, step: int, history: list[dict]) -> None:
+def save_checkpoint(accelerator: Accelerator, folder: Path, step: int, history: list[dict], steps: int) -> None:
     """accelerate state + progress, written beside the last checkpoint and swapped in by renames (on the main
     process; every process takes part in `save_state`)."""
     staging = folder.with_name(folder.name + ".saving")
@@ -137,7 +141,7 @@ def save_checkpoint(accelerator: Accelerator, folder: Path, step: int, history: 
     accelerator.wait_for_everyone()
     accelerator.save_state(str(staging / STATE_FOLDER))
     if accelerator.is_main_process:
-        (staging / PROGRESS_FILE).write_text(json.dumps({"step": step, "history": history}))
+        (staging / PROGRESS_FILE).write_text(json.dumps({"step": step, "history": history, "steps": steps}))
         shutil.rmtree(previous, ignore_errors=True)
         if folder.exists():
             folder.rename(previous)
@@ -155,6 +159,19 @@ def latest_checkpoint(folder: Path) -> Path | None:
 
 
 @dataclass
+class CosineSchedule:
+    """The learning-rate factor: linear warm-up, then cosine decay to 0 at `steps` (known once budgeted)."""
+
+    warmup_steps: int
+    steps: int | None
+
+    def __call__(self, step: int) -> float:
+        warmup = min(1.0, (step + 1) / max(1, self.warmup_steps))
+        total = self.steps or 1
+        return warmup * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+
+
+@dataclass
 class Run:
     """What a training run holds once accelerate has prepared it."""
 
@@ -162,6 +179,7 @@ class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    schedule: CosineSchedule
     trainable: list[torch.nn.Parameter]
 
 
@@ -182,19 +200,32 @@ def prepare_run(student: EGMLAForCausalLM, settings: FinetuneSettings) -> Run:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=settings.weight_decay)
 
-    def schedule_factor(step: int) -> float:
-        warmup = min(1.0, (step + 1) / max(1, settings.warmup_steps))
-        return warmup * 0.5 * (1 + math.cos(math.pi * min(step, settings.steps) / settings.steps))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_factor)
+    schedule = CosineSchedule(settings.warmup_steps, settings.steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    return Run(accelerator, model, optimizer, scheduler, trainable)
+    return Run(accelerator, model, optimizer, scheduler, schedule, trainable)
+
+
+def budgeted_steps(run: Run, teacher, blocks: torch.Tensor, settings: FinetuneSettings) -> int:
+    """The optimizer steps that fit in `max_minutes`, from the time of one step's forward and backward passes on
+    the first batch (its gradients are dropped); three quarters of the budget, since the optimizer's own update and
+    the held-out evaluations take time too and the schedule must end before the time guard stops the run."""
+    started = time.time()
+    step_loss(run, teacher, blocks, settings, step=0, update=False)
+    seconds = max(time.time() - started, 1e-3)
+    return max(1, int(0.75 * settings.max_minutes * 60 / seconds))
 
 
 def step_loss(
-    run: Run, teacher: torch.nn.Module | None, blocks: torch.Tensor, settings: FinetuneSettings, step: int
+    run: Run,
+    teacher: torch.nn.Module | None,
+    blocks: torch.Tensor,
+    settings: FinetuneSettings,
+    step: int,
+    update: bool = True,
 ) -> float:
-    """One optimizer step over `gradient_accumulation_steps` micro-batches; the loss of the whole global batch."""
+    """One optimizer step over `gradient_accumulation_steps` micro-batches (`update=False`: the passes only, the
+    gradients dropped); the loss of the whole global batch."""
     accelerator, micro_batches = run.accelerator, settings.gradient_accumulation_steps
     total = torch.zeros((), device=accelerator.device)
     for micro in range(micro_batches):
@@ -218,22 +249,24 @@ def step_loss(
         with sync:
             accelerator.backward(loss / micro_batches)
         total = total + loss.detach() / micro_batches
-    accelerator.clip_grad_norm_(run.trainable, 1.0)
-    run.optimizer.step()
-    run.scheduler.step()
+    if update:
+        accelerator.clip_grad_norm_(run.trainable, 1.0)
+        run.optimizer.step()
+        run.scheduler.step()
     run.optimizer.zero_grad()
     return accelerator.reduce(total, reduction="mean").item()
 
 
-def resume_state(run: Run, checkpoint: Path | None, settings: FinetuneSettings) -> tuple[int, list[dict]]:
-    """(the step to start at, the history so far): from the last checkpoint when resuming, else (0, [])."""
+def resume_state(run: Run, checkpoint: Path | None, settings: FinetuneSettings) -> tuple[int, list[dict], int | None]:
+    """(the step to start at, the history so far, the run's total steps): from the last checkpoint when resuming,
+    else (0, [], None)."""
     resume_from = latest_checkpoint(checkpoint) if settings.resume and checkpoint is not None else None
     if resume_from is None:
-        return 0, []
+        return 0, [], None
     run.accelerator.load_state(str(resume_from / STATE_FOLDER))
     progress = json.loads((resume_from / PROGRESS_FILE).read_text())
     run.accelerator.print(f"resumed from {resume_from} at step {progress['step']}")
-    return progress["step"], progress["history"]
+    return progress["step"], progress["history"], progress.get("steps")
 
 
 def finetune(
@@ -271,7 +304,12 @@ def train_loop(
     if teacher is not None:
         teacher = teacher.to(accelerator.device).eval()
     checkpoint = Path(settings.checkpoint_dir) / "last" if settings.checkpoint_dir else None
-    start_step, history = resume_state(run, checkpoint, settings)
+    start_step, history, saved_steps = resume_state(run, checkpoint, settings)
+    if settings.steps is None:  # a resumed run keeps the schedule it started with
+        steps = saved_steps or budgeted_steps(run, teacher, train_blocks, settings)
+        settings = dataclasses.replace(settings, steps=steps)
+        run.schedule.steps = steps
+        accelerator.print(f"fine-tuning for {steps} steps (what fits in {settings.max_minutes} minutes)")
     started = time.time()
     stopped_early = False
     bar = tqdm(
@@ -293,18 +331,18 @@ def train_loop(
             history.append({"step": done, "held_out_loss": held_out, "held_out_accuracy": accuracy})
             accelerator.print(f"step {done}: held-out perplexity {math.exp(held_out):.3f}")
         if checkpoint is not None and settings.save_every and done % settings.save_every == 0:
-            save_checkpoint(accelerator, checkpoint, done, history)
+            save_checkpoint(accelerator, checkpoint, done, history, settings.steps)
         if settings.max_minutes is not None and time.time() - started > settings.max_minutes * 60:
             stopped_early = done < settings.steps
             break
     steps_done = step + 1 if settings.steps > start_step else start_step
     if checkpoint is not None:
-        save_checkpoint(accelerator, checkpoint, steps_done, history)
+        save_checkpoint(accelerator, checkpoint, steps_done, history, settings.steps)
     model = accelerator.unwrap_model(run.model)
     if isinstance(model, PeftModel):
         model = model.merge_and_unload()
     model.eval()
-    return FinetuneResult(model, steps_done, time.time() - started, history, stopped_early)
+    return FinetuneResult(model, steps_done, time.time() - started, history, stopped_early, settings.steps)
 
 
 def settings_summary(settings: FinetuneSettings) -> dict:

@@ -58,7 +58,7 @@ def test_the_default_split_is_searched_reported_and_the_best_one_kept(tmp_path):
     needs_shared(TINYSTORIES)
     out = tmp_path / "out"
     main(["convert", str(STORIES260K), "--out", str(out), "--kv-cut", "0.5", "--train-text", str(TINYSTORIES),
-          "--calibration-blocks", "24", "--eval-documents", "12"])  # fmt: skip
+          "--calibration-blocks", "24", "--eval-documents", "12", "--reconstruction-steps", "10"])  # fmt: skip
     report = json.loads((out / "conversion_report.json").read_text())
     candidates = report["candidates"][1:]
     assert report["candidates"][0]["candidate"] == "source" and len(candidates) >= 3

@@ -239,3 +239,13 @@ def test_finetune_cli_refuses_an_existing_output_and_resumes(tmp_path, capsys):
     assert report["steps_done"] == 4
     with pytest.raises(SystemExit, match="overlaps the input"):
         main([*args, "--steps", "2", "--out", str(converted), "--overwrite"])
+
+
+def test_a_run_without_steps_takes_what_fits_in_its_minutes(pair):
+    teacher, student, blocks = pair
+    settings = FinetuneSettings(steps=None, max_minutes=0.02, batch_size=4, eval_every=0)
+    result = finetune(student, teacher, blocks, settings)
+    assert result.steps_planned >= 1 and 1 <= result.steps_done <= result.steps_planned
+    assert result.seconds < 0.02 * 60 + 5  # the schedule was sized to the budget, and the guard stops it
+    with pytest.raises(ValueError, match="steps=None sizes the run to max_minutes"):
+        FinetuneSettings(steps=None)
