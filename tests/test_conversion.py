@@ -12,7 +12,7 @@ from egmla.conversion import ConversionOptions, calibrate, convert_llama_to_egml
 from egmla.conversion.factorization import allocate_ranks, factorize
 from egmla.conversion.rope import rotation_variance
 from egmla.text import perplexity, read_documents, split_documents, token_blocks
-from tests.utils import STORIES260K, TINYSTORIES, needs_shared, tiny_llama
+from tests.utils import STORIES260K, TINYSTORIES, assert_same_model, needs_shared, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +80,7 @@ def test_exact_rope_mode_at_full_rank_reproduces_stories260k(stories):
     options = ConversionOptions(kv_lora_rank=64, rope_mode="exact", gate_embedding_dim=16)
     student = convert_llama_to_egmla(teacher, options, stories["calibration"])
     assert student.config.rope_mode == "exact" and student.config.kv_cache_values_per_token() == 5 * 64
-    with torch.no_grad():
-        torch.testing.assert_close(student(input_ids).logits, teacher(input_ids).logits, rtol=0, atol=1e-4)
-        assert torch.equal(
-            student.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
-            teacher.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
-        )
+    assert_same_model(student, teacher, input_ids)
     with pytest.raises(ValueError, match="rope_pairs sets the decoupled rope key"):
         ConversionOptions(kv_cut=0.5, rope_mode="exact", rope_pairs=3)
 
@@ -108,12 +103,7 @@ def test_exact_rope_mode_at_full_rank_reproduces_a_random_gqa_llama(rope_paramet
     student = convert_llama_to_egmla(teacher, options, calibration)
     assert student.model.layers[0].self_attn.kv_b_proj.out_features == 8 * (16 + 16)
     input_ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(1))  # past the original 32
-    with torch.no_grad():
-        torch.testing.assert_close(student(input_ids).logits, teacher(input_ids).logits, rtol=0, atol=1e-4)
-        assert torch.equal(
-            student.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
-            teacher.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
-        )
+    assert_same_model(student, teacher, input_ids)
 
 
 def test_exact_rope_mode_beats_the_decoupled_rope_key_at_a_50_percent_cut_on_stories260k(stories):
@@ -167,12 +157,7 @@ def test_full_rank_reproduces_a_tiny_llama(rope_parameters, rope_keys):
         assert student.config.rope_key_heads == 1 and student.config.qk_rope_head_dim == 32
         assert student.model.layers[0].self_attn.kv_b_proj.out_features == 8 * (16 + 16)
     input_ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(1))  # past the original 32
-    with torch.no_grad():
-        torch.testing.assert_close(student(input_ids).logits, teacher(input_ids).logits, rtol=0, atol=1e-4)
-        assert torch.equal(
-            student.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
-            teacher.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
-        )
+    assert_same_model(student, teacher, input_ids)
 
 
 def test_activation_aware_beats_weight_only_on_stories260k(stories):

@@ -124,3 +124,13 @@ def generate_both(model, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         cached = model.generate(**kwargs, use_cache=True)
         uncached = model.generate(**kwargs, use_cache=False)
     return cached, uncached
+
+
+@torch.no_grad()
+def assert_same_model(student, teacher, input_ids: torch.Tensor) -> None:
+    """A conversion that should be exact: the same logits (fp32, within 1e-4) and the same greedy tokens."""
+    torch.testing.assert_close(student(input_ids).logits, teacher(input_ids).logits, rtol=0, atol=1e-4)
+    assert torch.equal(
+        student.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
+        teacher.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
+    )
