@@ -245,9 +245,6 @@ class EGMLALatentCacheLayer(DynamicLayer):
         setattr(self, name, values if held is None else torch.cat([held, values.to(held.device)], dim=-1))
         return getattr(self, name)
 
-    def update_token_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.append_per_token("token_ids", input_ids)
-
     def map_per_token(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in self.PER_TOKEN:
             if getattr(self, name) is not None:
@@ -324,7 +321,7 @@ def context_token_ids(cache: Cache | None, input_ids: torch.Tensor, config: EGML
     (the new ids [B, S] are appended to the cache's, kept once by layer 0); otherwise the new ones."""
     if cache is None or not config.caches_token_ids:
         return input_ids
-    return first_latent_layer(cache, "gate_position='kv' (token ids)").update_token_ids(input_ids)
+    return first_latent_layer(cache, "gate_position='kv' (token ids)").append_per_token("token_ids", input_ids)
 
 
 def context_positions(
@@ -349,7 +346,8 @@ def cache_nbytes(cache: Cache) -> int:
     layer)."""
     total = 0
     for layer in cache.layers:
-        tensors = (layer.keys, layer.values, getattr(layer, "token_ids", None), getattr(layer, "positions", None))
+        per_token = (getattr(layer, name) for name in getattr(layer, "PER_TOKEN", ()))
+        tensors = (layer.keys, layer.values, *per_token)
         total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total
 

@@ -17,15 +17,18 @@ def read_documents(path: str | Path) -> list[str]:
     return [document for document in documents if document]
 
 
+def framed_ids(tokenizer: PreTrainedTokenizerBase, document: str) -> list[int]:
+    """`<bos> document <eos>` as token ids (either marker left out where the tokenizer has none)."""
+    ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    ids += tokenizer.encode(document, add_special_tokens=False)
+    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+
+
 def token_blocks(tokenizer: PreTrainedTokenizerBase, documents: list[str], block_size: int) -> torch.Tensor:
     """Concatenates `<bos> document <eos>` for every document and cuts the stream into [N, block_size] blocks."""
     stream: list[int] = []
     for document in documents:
-        if tokenizer.bos_token_id is not None:
-            stream.append(tokenizer.bos_token_id)
-        stream += tokenizer.encode(document, add_special_tokens=False)
-        if tokenizer.eos_token_id is not None:
-            stream.append(tokenizer.eos_token_id)
+        stream += framed_ids(tokenizer, document)
     usable = len(stream) // block_size * block_size
     if usable == 0:
         raise ValueError(f"The text gives {len(stream)} tokens, fewer than one block of {block_size}.")
@@ -115,12 +118,7 @@ def sample_blocks(
 
 def document_ids(tokenizer: PreTrainedTokenizerBase, documents: list[str], max_length: int) -> list[torch.Tensor]:
     """Each document as `<bos> document <eos>`, whole up to `max_length` tokens (the source's context)."""
-    encoded = []
-    for document in documents:
-        ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        ids += tokenizer.encode(document, add_special_tokens=False)
-        ids += [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        encoded.append(torch.tensor(ids[:max_length]))
+    encoded = [torch.tensor(framed_ids(tokenizer, document)[:max_length]) for document in documents]
     return [ids for ids in encoded if len(ids) > 1]
 
 

@@ -105,6 +105,12 @@ def score_documents(models: dict[str, torch.nn.Module], text: TextData) -> dict:
     }
 
 
+def add_scores(scores: dict, more: dict) -> None:
+    """Merges a later stage's `score_documents` into the earlier stages' (both keyed by figure, then model)."""
+    for figure, by_model in more.items():
+        scores[figure].update(by_model)
+
+
 @dataclass
 class ConversionJob:
     """One `egmla convert` or `egmla retrofit`: what to convert, how, on which text, and whether to fine-tune."""
@@ -132,15 +138,12 @@ def run_conversion(job: ConversionJob) -> dict:
     scores = score_documents({"source": teacher, "zero-shot": student}, text)
     layers = reconstruct_layers(student, teacher, calibration, job.reconstruction)
     if layers:
-        for key, value in score_documents({"layer-wise": student}, text).items():
-            scores[key].update(value)
+        add_scores(scores, score_documents({"layer-wise": student}, text))
     finetune_summary = None
     if job.finetune is not None:
         result = finetune(student, teacher, text.fit, job.finetune, eval_blocks=text.held_out)
         student = result.model
-        tuned = score_documents({"fine-tuned": student}, text)
-        for key in scores:
-            scores[key].update(tuned[key])
+        add_scores(scores, score_documents({"fine-tuned": student}, text))
         finetune_summary = {**result_summary(result), **settings_summary(job.finetune)}
 
     report = {
@@ -216,15 +219,14 @@ def run_finetune(job: FinetuneJob) -> dict:
     student = AutoModelForCausalLM.from_pretrained(job.student, dtype=torch.float32)
     teacher, tokenizer = load_llama(job.teacher), load_tokenizer(job.teacher)
     text = prepare_text(teacher, tokenizer, job.text)
-    before = score_documents({"before": student}, text)
+    scores = score_documents({"before": student}, text)
     result = finetune(student, teacher, text.fit, job.settings, eval_blocks=text.held_out)
-    after = score_documents({"after": result.model}, text)
+    add_scores(scores, score_documents({"after": result.model}, text))
     summary = {
         "student": job.student,
         "teacher": job.teacher,
         **text.description,
-        "perplexity": {**before["perplexity"], **after["perplexity"]},
-        "perplexity_by_position": {**before["perplexity_by_position"], **after["perplexity_by_position"]},
+        **scores,
         **result_summary(result),
         "settings": settings_summary(job.settings),
     }

@@ -82,8 +82,12 @@ def fit_layer(model, layer_idx: int, streams: LayerStreams, blocks, rotary, sett
     """Adam with cosine decay on one block; its error on all calibration blocks before and after."""
     parameters = block_parameters(model, layer_idx, settings.fit_gate)
     start = [parameter.detach().clone() for parameter in parameters]
-    with torch.no_grad():
-        before = block_error(student_attention(model, layer_idx, streams.student_in, blocks, rotary), streams).item()
+
+    @torch.no_grad()
+    def error_on_all_blocks() -> float:
+        return block_error(student_attention(model, layer_idx, streams.student_in, blocks, rotary), streams).item()
+
+    before = error_on_all_blocks()
     optimizer = torch.optim.Adam(parameters, lr=settings.learning_rate)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / settings.steps))
@@ -101,8 +105,8 @@ def fit_layer(model, layer_idx: int, streams: LayerStreams, blocks, rotary, sett
         schedule.step()
     for parameter in parameters:
         parameter.requires_grad_(False)
+    after = error_on_all_blocks()
     with torch.no_grad():
-        after = block_error(student_attention(model, layer_idx, streams.student_in, blocks, rotary), streams).item()
         if after >= before:  # keep the closed-form block
             for parameter, value in zip(parameters, start, strict=True):
                 parameter.copy_(value)

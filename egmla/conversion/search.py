@@ -4,12 +4,11 @@ calibration blocks, and keep the best. Every candidate's perplexity goes into th
 implies, so a user can trade quality for decode speed knowingly."""
 
 import dataclasses
-import math
 
 import torch
 from transformers import LlamaForCausalLM
 
-from ..text import mean_loss
+from ..text import perplexity
 from .calibration import LayerStatistics, calibrate
 from .convert import ConversionOptions, convert_llama_to_egmla, resolve_budget
 
@@ -50,7 +49,7 @@ def choose_split(
     held_out_count = max(1, min(HELD_OUT_BLOCKS, len(blocks) // 8))
     fit, held_out = blocks[:-held_out_count], blocks[-held_out_count:]
     statistics = calibrate(teacher, fit)
-    rows = [{"candidate": "source", "perplexity": math.exp(mean_loss(teacher, held_out))}]
+    rows = [{"candidate": "source", "perplexity": perplexity(teacher, held_out)}]
     for choice in choices:
         budget = resolve_budget(teacher.config, choice)
         student = convert_llama_to_egmla(teacher, dataclasses.replace(choice, gate_embedding_dim=0), statistics)
@@ -61,7 +60,7 @@ def choose_split(
                 "rope_pairs": None if choice.rope_mode == "exact" else budget.rope_pairs,
                 "kv_lora_rank": budget.kv_lora_rank,
                 "values_per_token_per_layer": budget.values_per_token_per_layer,
-                "perplexity": math.exp(mean_loss(student, held_out)),
+                "perplexity": perplexity(student, held_out),
                 "decode": decode_path(choice),
             }
         )
