@@ -264,21 +264,23 @@ def test_an_unknown_decode_contract_goes_to_the_reference_path(caplog):
     assert f"decode contract is version {LATENT_DECODE_VERSION + 1}" in caplog.text
 
 
-@pytest.mark.parametrize("gate_position", ["kv", "latent"])
-def test_compiled_path_equals_the_reference_in_exact_rope_mode(gate_position):
-    """rope_mode="exact": the compiled path rebuilds every key from the latent and rotates it at its cached
-    position, as the reference does (each row at its own positions); Triton leaves these steps to the reference."""
-    module = attention_module(gate_position, 1, 10, "rms", rope_mode="exact")
+@pytest.mark.parametrize("backend", ["compiled", "triton"])
+@pytest.mark.parametrize(
+    ("gate_position", "gate_dim", "gate_norm"), [("kv", 10, "rms"), ("latent", 10, "rms"), ("kv", 0, "none")]
+)
+def test_fused_paths_equal_the_reference_in_exact_rope_mode(backend, gate_position, gate_dim, gate_norm):
+    """rope_mode="exact": both fused paths rebuild every key from the latent and rotate it at its cached position,
+    as the reference does (each row at its own positions), one split or several."""
+    module = attention_module(gate_position, 1, gate_dim, gate_norm, rope_mode="exact")
     rotary_emb = EGMLAForCausalLM(module.config).model.rotary_emb  # cos, sin at each row's own positions
-    for key_length in (9, 33):
-        call, mask = decode_step(module, 2, key_length, 1, 3)
+    for key_length, query_length in ((9, 1), (45, 2)):  # dynamic shapes: a growing context must not recompile
+        call, mask = decode_step(module, 2, key_length, query_length, 3)
         positions = torch.stack([torch.arange(key_length), torch.arange(key_length) + 5])
         cos, sin = rotary_emb(call.latent, positions)
         call = call._replace(rope_key=call.rope_key[..., :0], key_rotary=module.select_rotary(cos, sin))
-        output = kernels.fused_decode(module, call, mask[:, None], "compiled")
+        output = kernels.fused_decode(module, call, mask[:, None], backend)
         assert output is not None, dispatch._compile_failed
         assert relative_error(output, reference(module, call, mask)) <= 1e-4
-        assert kernels.fused_decode(module, call, mask[:, None], "triton") is None
 
 
 @pytest.mark.parametrize("gate_position", ["kv", "latent"])

@@ -174,10 +174,6 @@ def fused_decode(module: torch.nn.Module, call, attention_mask: torch.Tensor | N
         return None
     if backend == "reference" or (backend == "compiled" and _compile_failed):
         return None
-    if backend == "triton" and call.key_rotary is not None:
-        log_once("egmla_fused: the Triton kernel does not rotate rebuilt keys yet, so rope_mode='exact' decodes "
-                 "through the reference path.")  # fmt: skip
-        return None
     if backend == "triton" and torch.is_grad_enabled() and (call.q_nope.requires_grad or call.latent.requires_grad):
         log_once(
             "egmla_fused: the Triton kernels have no backward, so a decode step under autograd uses the reference."

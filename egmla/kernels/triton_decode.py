@@ -1,9 +1,10 @@
 """Triton decode kernels over the latent cache (flash-decoding: each program attends over one split of the cached
 positions block by block with an online softmax; the splits are merged by log-sum-exp afterwards).
 
-`decode_kv` (gate on the per-head keys and values) expands every block of cached latents with W^{UKV}, builds the
-gate from the gate-table rows (looked up through the per-position index) and W^{UE}, applies the gate norm and
-attends, so expanded K/V never reaches main memory. `decode_latent` is the absorbed MQA over `[latent ; rope key]`.
+`decode_kv` (gate on the per-head keys and values, or the RoPE-exact latent) expands every block of cached latents
+with W^{UKV}, builds the gate from the gate-table rows (looked up through the per-position index) and W^{UE}, applies
+the gate norm, rotates the rebuilt rope dims by their positions ("exact" rope) and attends, so expanded K/V never
+reaches main memory. `decode_latent` is the absorbed MQA over `[latent ; rope key]`.
 Both take and return what `fused_torch` does (`interface`). Set `TRITON_INTERPRET=1` before importing this module
 to run them on the CPU.
 """
@@ -39,18 +40,56 @@ def merge_splits(acc: torch.Tensor, running_max: torch.Tensor, running_sum: torc
     return (acc * weight[..., None]).sum(dim=-2) / total
 
 
+@triton.jit
+def _tile(base, first, count, width, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows [first, first + count) of a row-major [*, width] matrix as a [BLOCK_ROWS, BLOCK_COLS] tile, zero-padded."""
+    i = tl.arange(0, BLOCK_ROWS)
+    j = tl.arange(0, BLOCK_COLS)
+    inside = (i[:, None] < count) & (j[None, :] < width)
+    tile = tl.load(base + (first + i[:, None]) * width + j[None, :], mask=inside, other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _vector(base, first, count, BLOCK: tl.constexpr):
+    """Elements [first, first + count) of a vector, in fp32, zero-padded to BLOCK."""
+    i = tl.arange(0, BLOCK)
+    return tl.load(base + first + i, mask=i < count, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rebuild(latent, weight, rows, gate_weight, HAS_GATE: tl.constexpr, PRECISION: tl.constexpr):
+    """One slice of the rebuilt keys or values of a block of positions: (latent W^T) * (1 + rows G^T)."""
+    part = tl.dot(latent, tl.trans(weight), input_precision=PRECISION)
+    if HAS_GATE:
+        part = part * (1.0 + tl.dot(rows, tl.trans(gate_weight), input_precision=PRECISION))
+    return part
+
+
+@triton.jit
+def _positions(base, token, first, count, inside, BLOCK: tl.constexpr):
+    """Columns [first, first + count) of a [*, 2 * count] per-position table (cos or sin) for `token` [BLOCK_T]."""
+    i = tl.arange(0, BLOCK)
+    keep = inside[:, None] & (i[None, :] < count)
+    return tl.load(base + token[:, None] * (2 * count) + first + i[None, :], mask=keep, other=0.0).to(tl.float32)
+
+
 # The kernels' parameters stay positional-or-keyword (Triton compiles keyword-only ones only since 3.9, and a GPU's
 # Triton comes with its torch build); every launch names each argument.
 @triton.jit
 def _decode_kv_kernel(
     query_ptr,  # [B, H, S, DN + DR]
     latent_ptr,  # [B, T, R]
-    rope_key_ptr,  # [B, T, HR * DR]
+    rope_key_ptr,  # [B, T, HR * DR] (decoupled rope)
+    key_cos_ptr,  # [B, T, DR] (EXACT_ROPE: the rebuilt keys' rope dims turn with their positions)
+    key_sin_ptr,  # [B, T, DR]
     gate_rows_ptr,  # [U, DE]
     gate_index_ptr,  # [B, T] the row of each position (GATE_INDEXED), else rows are per position
-    kv_weight_ptr,  # [H, DN + DV, R]
-    gate_weight_ptr,  # [H, DN + DV, DE]
-    norm_weight_ptr,  # [DN + DV]
+    kv_weight_ptr,  # [H, DK + DV, R], DK = DN (decoupled rope) or DN + DR (EXACT_ROPE)
+    gate_weight_ptr,  # [H, DK + DV, DE]
+    norm_weight_ptr,  # [DK + DV]
     mask_ptr,  # [B, S, T] int8
     acc_ptr,  # [B, H, S, SPLITS, DV]
     max_ptr,  # [B, H, S, SPLITS]
@@ -68,6 +107,7 @@ def _decode_kv_kernel(
     R: tl.constexpr,
     DE: tl.constexpr,
     HR: tl.constexpr,
+    EXACT_ROPE: tl.constexpr,
     HAS_GATE: tl.constexpr,
     GATE_INDEXED: tl.constexpr,
     HAS_NORM: tl.constexpr,
@@ -77,6 +117,7 @@ def _decode_kv_kernel(
     BLOCK_DN: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_DR: tl.constexpr,
+    BLOCK_DH: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_DE: tl.constexpr,
 ):
@@ -85,38 +126,39 @@ def _decode_kv_kernel(
     b = row // (heads * query_length)
     h = (row // query_length) % heads
     s = row % query_length
-    g = h // (heads // HR)  # the rope key this head reads
+    g = h // (heads // HR)  # the rope key this head reads (decoupled rope)
+    DH: tl.constexpr = DR // 2  # "exact" rope turns dims j and j + DH together (half-split layout)
+    DK: tl.constexpr = DN + DR if EXACT_ROPE else DN  # rebuilt key dims
 
-    dn = tl.arange(0, BLOCK_DN)
-    dv = tl.arange(0, BLOCK_DV)
-    dr = tl.arange(0, BLOCK_DR)
     rr = tl.arange(0, BLOCK_R)
     de = tl.arange(0, BLOCK_DE)
-    q_nope = tl.load(query_ptr + row * (DN + DR) + dn, mask=dn < DN, other=0.0).to(tl.float32)
-    q_rope = tl.load(query_ptr + row * (DN + DR) + DN + dr, mask=dr < DR, other=0.0).to(tl.float32)
+    q_nope = _vector(query_ptr + row * (DN + DR), 0, DN, BLOCK_DN)
     # This head's slices of W^{UKV} (and W^{UE}) stay in fast memory for the whole split.
-    w_base = kv_weight_ptr + h * (DN + DV) * R
-    w_key = tl.load(w_base + dn[:, None] * R + rr[None, :], mask=(dn[:, None] < DN) & (rr[None, :] < R), other=0.0)
-    w_value = tl.load(
-        w_base + (DN + dv[:, None]) * R + rr[None, :], mask=(dv[:, None] < DV) & (rr[None, :] < R), other=0.0
-    )
-    if UPCAST:
-        w_key = w_key.to(tl.float32)
-        w_value = w_value.to(tl.float32)
+    w_base = kv_weight_ptr + h * (DK + DV) * R
+    w_key = _tile(w_base, 0, DN, R, BLOCK_DN, BLOCK_R, UPCAST)
+    w_value = _tile(w_base, DK, DV, R, BLOCK_DV, BLOCK_R, UPCAST)
+    g_key, g_value = w_key, w_value  # placeholders when the gate is off (never read)
     if HAS_GATE:
-        g_base = gate_weight_ptr + h * (DN + DV) * DE
-        g_key = tl.load(
-            g_base + dn[:, None] * DE + de[None, :], mask=(dn[:, None] < DN) & (de[None, :] < DE), other=0.0
-        )
-        g_value = tl.load(
-            g_base + (DN + dv[:, None]) * DE + de[None, :], mask=(dv[:, None] < DV) & (de[None, :] < DE), other=0.0
-        )
-        if UPCAST:
-            g_key = g_key.to(tl.float32)
-            g_value = g_value.to(tl.float32)
+        g_base = gate_weight_ptr + h * (DK + DV) * DE
+        g_key = _tile(g_base, 0, DN, DE, BLOCK_DN, BLOCK_DE, UPCAST)
+        g_value = _tile(g_base, DK, DV, DE, BLOCK_DV, BLOCK_DE, UPCAST)
     if HAS_NORM:
-        n_key = tl.load(norm_weight_ptr + dn, mask=dn < DN, other=0.0).to(tl.float32)
-        n_value = tl.load(norm_weight_ptr + DN + dv, mask=dv < DV, other=0.0).to(tl.float32)
+        n_key = _vector(norm_weight_ptr, 0, DN, BLOCK_DN)
+        n_value = _vector(norm_weight_ptr, DK, DV, BLOCK_DV)
+    if EXACT_ROPE:  # the rope dims of the rebuilt key, as two halves, so that the rotation pairs them tile by tile
+        q_low = _vector(query_ptr + row * (DN + DR), DN, DH, BLOCK_DH)
+        q_high = _vector(query_ptr + row * (DN + DR), DN + DH, DH, BLOCK_DH)
+        w_low = _tile(w_base, DN, DH, R, BLOCK_DH, BLOCK_R, UPCAST)
+        w_high = _tile(w_base, DN + DH, DH, R, BLOCK_DH, BLOCK_R, UPCAST)
+        g_low, g_high = w_low, w_high
+        if HAS_GATE:
+            g_low = _tile(g_base, DN, DH, DE, BLOCK_DH, BLOCK_DE, UPCAST)
+            g_high = _tile(g_base, DN + DH, DH, DE, BLOCK_DH, BLOCK_DE, UPCAST)
+        if HAS_NORM:
+            n_low = _vector(norm_weight_ptr, DN, DH, BLOCK_DH)
+            n_high = _vector(norm_weight_ptr, DN + DH, DH, BLOCK_DH)
+    else:
+        q_rope = _vector(query_ptr + row * (DN + DR), DN, DR, BLOCK_DR)
 
     running_max = -1e30  # finite, so that a block masked out entirely gives exp(0) * 0, not NaN
     running_sum = 0.0
@@ -132,13 +174,9 @@ def _decode_kv_kernel(
         )
         if UPCAST:
             latent = latent.to(tl.float32)
-        key = tl.dot(latent, tl.trans(w_key), input_precision=PRECISION)  # [BLOCK_T, BLOCK_DN]
-        value = tl.dot(latent, tl.trans(w_value), input_precision=PRECISION)  # [BLOCK_T, BLOCK_DV]
+        rows = latent  # placeholder when the gate is off (never read)
         if HAS_GATE:
-            if GATE_INDEXED:
-                gate_row = tl.load(gate_index_ptr + token, mask=inside, other=0)
-            else:
-                gate_row = token
+            gate_row = tl.load(gate_index_ptr + token, mask=inside, other=0) if GATE_INDEXED else token
             rows = tl.load(
                 gate_rows_ptr + gate_row[:, None] * DE + de[None, :],
                 mask=inside[:, None] & (de[None, :] < DE),
@@ -146,19 +184,37 @@ def _decode_kv_kernel(
             )
             if UPCAST:
                 rows = rows.to(tl.float32)
-            key = key * (1.0 + tl.dot(rows, tl.trans(g_key), input_precision=PRECISION))
-            value = value * (1.0 + tl.dot(rows, tl.trans(g_value), input_precision=PRECISION))
+        key = _rebuild(latent, w_key, rows, g_key, HAS_GATE, PRECISION)  # [BLOCK_T, BLOCK_DN]
+        value = _rebuild(latent, w_value, rows, g_value, HAS_GATE, PRECISION)  # [BLOCK_T, BLOCK_DV]
+        square_sum = tl.sum(key * key, axis=1) + tl.sum(value * value, axis=1)
+        if EXACT_ROPE:
+            low = _rebuild(latent, w_low, rows, g_low, HAS_GATE, PRECISION)  # [BLOCK_T, BLOCK_DH]
+            high = _rebuild(latent, w_high, rows, g_high, HAS_GATE, PRECISION)
+            square_sum += tl.sum(low * low, axis=1) + tl.sum(high * high, axis=1)
         if HAS_NORM:
-            mean_square = (tl.sum(key * key, axis=1) + tl.sum(value * value, axis=1)) / (DN + DV)
-            inverse = 1.0 / tl.sqrt(mean_square + norm_eps)
+            inverse = 1.0 / tl.sqrt(square_sum / (DK + DV) + norm_eps)
             key = key * inverse[:, None] * n_key[None, :]
             value = value * inverse[:, None] * n_value[None, :]
-        rope_key = tl.load(
-            rope_key_ptr + token[:, None] * (HR * DR) + g * DR + dr[None, :],
-            mask=inside[:, None] & (dr[None, :] < DR),
-            other=0.0,
-        ).to(tl.float32)
-        score = tl.sum(key * q_nope[None, :], axis=1) + tl.sum(rope_key * q_rope[None, :], axis=1)
+            if EXACT_ROPE:
+                low = low * inverse[:, None] * n_low[None, :]
+                high = high * inverse[:, None] * n_high[None, :]
+        score = tl.sum(key * q_nope[None, :], axis=1)
+        if EXACT_ROPE:  # x * cos + rotate_half(x) * sin, rotate_half([low, high]) = [-high, low]
+            cos_low = _positions(key_cos_ptr, token, 0, DH, inside, BLOCK_DH)
+            cos_high = _positions(key_cos_ptr, token, DH, DH, inside, BLOCK_DH)
+            sin_low = _positions(key_sin_ptr, token, 0, DH, inside, BLOCK_DH)
+            sin_high = _positions(key_sin_ptr, token, DH, DH, inside, BLOCK_DH)
+            turned_low = low * cos_low - high * sin_low
+            turned_high = high * cos_high + low * sin_high
+            score += tl.sum(turned_low * q_low[None, :], axis=1) + tl.sum(turned_high * q_high[None, :], axis=1)
+        else:
+            dr = tl.arange(0, BLOCK_DR)
+            rope_key = tl.load(
+                rope_key_ptr + token[:, None] * (HR * DR) + g * DR + dr[None, :],
+                mask=inside[:, None] & (dr[None, :] < DR),
+                other=0.0,
+            ).to(tl.float32)
+            score += tl.sum(rope_key * q_rope[None, :], axis=1)
         allowed = tl.load(mask_ptr + (b * query_length + s) * key_length + t, mask=inside, other=0) != 0
         score = tl.where(allowed, score * scaling, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(score, axis=0))
@@ -168,6 +224,7 @@ def _decode_kv_kernel(
         acc = acc * rescale + tl.sum(probs[:, None] * value, axis=0)
         running_max = new_max
     out = row * splits + split
+    dv = tl.arange(0, BLOCK_DV)
     tl.store(acc_ptr + out * DV + dv, acc, mask=dv < DV)
     tl.store(max_ptr + out, running_max)
     tl.store(sum_ptr + out, running_sum)
@@ -272,13 +329,12 @@ def decode_kv(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See `fused_torch.decode_kv`; returns [B, S, H, dv] (written into `out` when given)."""
-    query, latent, rope_key, gate_rows, gate_index, key_cos, _, mask = inputs
-    if key_cos is not None:
-        raise NotImplementedError("The Triton decode kernel does not rotate rebuilt keys (rope_mode='exact') yet.")
+    query, latent, rope_key, gate_rows, gate_index, key_cos, key_sin, mask = inputs
     kv_weight, gate_weight, norm_weight, norm_eps, scaling, nope_dim, rope_key_heads = weights
     batch_size, heads, query_length, qk_dim = query.shape
     key_length, rank = latent.shape[1], latent.shape[2]
-    value_dim = kv_weight.shape[1] - nope_dim
+    exact_rope = key_cos is not None
+    value_dim = kv_weight.shape[1] - (qk_dim if exact_rope else nope_dim)
     rope_dim = qk_dim - nope_dim
     dtype = latent.dtype
     rows = batch_size * heads * query_length
@@ -293,6 +349,8 @@ def decode_kv(
         query_ptr=query.contiguous(),
         latent_ptr=latent.contiguous(),
         rope_key_ptr=rope_key.contiguous(),
+        key_cos_ptr=key_cos.float().contiguous() if exact_rope else latent,
+        key_sin_ptr=key_sin.float().contiguous() if exact_rope else latent,
         gate_rows_ptr=gate_rows.to(dtype).contiguous() if gate_weight is not None else latent,
         gate_index_ptr=gate_index.contiguous() if gate_index is not None else latent,
         kv_weight_ptr=kv_weight.to(dtype).contiguous(),
@@ -315,6 +373,7 @@ def decode_kv(
         R=rank,
         DE=gate_dim,
         HR=rope_key_heads,
+        EXACT_ROPE=exact_rope,
         HAS_GATE=gate_weight is not None,
         GATE_INDEXED=gate_index is not None,
         HAS_NORM=norm_weight is not None,
@@ -324,6 +383,7 @@ def decode_kv(
         BLOCK_DN=block(nope_dim),
         BLOCK_DV=block(value_dim),
         BLOCK_DR=block(rope_dim),
+        BLOCK_DH=block(rope_dim // 2),
         BLOCK_R=block(rank),
         BLOCK_DE=block(gate_dim),
     )
