@@ -20,7 +20,7 @@ from .conversion.pipeline import (
     run_finetune,
     run_ppl,
 )
-from .conversion.reconstruction import ReconstructionSettings
+from .conversion.reconstruction import GATE_INITS, ReconstructionSettings
 from .data import smollm2_gguf
 from .quickstart import QuickstartSettings, run_quickstart
 from .training import FinetuneSettings
@@ -46,7 +46,15 @@ def add_text_options(parser: argparse.ArgumentParser) -> None:
         default=TextSettings.eval_text,
         help="held-out text (default: the last 10%% of the fitting text, or the embedded excerpt)",
     )
-    parser.add_argument("--block-size", type=int, default=TextSettings.block_size)
+    parser.add_argument(
+        "--block-size", type=int, default=TextSettings.block_size, help="tokens per calibration (and sampled) block"
+    )
+    parser.add_argument(
+        "--recovery-block-size",
+        type=int,
+        default=TextSettings.recovery_block_size,
+        help="tokens per recovery block, the fitting blocks packed (default: the source's context, at most 512)",
+    )
     parser.add_argument(
         "--calibration-blocks",
         "--calib-blocks",
@@ -122,6 +130,13 @@ def add_reconstruction_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--reconstruction-batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--reconstruction-learning-rate", type=float, default=defaults.learning_rate)
+    parser.add_argument(
+        "--gate-init",
+        choices=GATE_INITS,
+        default=defaults.gate_init,
+        help="the gate on K/V set by per-token least squares on the calibration text, or left at the identity",
+    )
+    parser.add_argument("--gate-shrinkage", type=float, default=defaults.gate_shrinkage)
 
 
 def reconstruction_settings(args: argparse.Namespace) -> ReconstructionSettings:
@@ -129,6 +144,8 @@ def reconstruction_settings(args: argparse.Namespace) -> ReconstructionSettings:
         steps=args.reconstruction_steps,
         batch_size=args.reconstruction_batch_size,
         learning_rate=args.reconstruction_learning_rate,
+        gate_init=args.gate_init,
+        gate_shrinkage=args.gate_shrinkage,
         seed=args.seed,
     )
 

@@ -35,6 +35,17 @@ def token_blocks(tokenizer: PreTrainedTokenizerBase, documents: list[str], block
     return torch.tensor(stream[:usable]).view(-1, block_size)
 
 
+def packed_blocks(blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """Consecutive blocks [N, S] joined into blocks [N * S // length, length] (S when `length` <= S): the blocks
+    of `token_blocks` are one stream, so the joined ones are too."""
+    if length <= blocks.shape[1]:
+        return blocks
+    usable = blocks.numel() // length * length
+    if usable == 0:
+        raise ValueError(f"{blocks.numel()} tokens are fewer than one block of {length}.")
+    return blocks.flatten()[:usable].view(-1, length)
+
+
 def split_documents(documents: list[str], held_out_fraction: float) -> tuple[list[str], list[str]]:
     """(fitting, held out): the held-out documents are the last ones and never used for fitting."""
     held_out = max(1, round(len(documents) * held_out_fraction))

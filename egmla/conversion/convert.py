@@ -141,6 +141,25 @@ def resolve_budget(source_config, options: ConversionOptions) -> Budget:
     return Budget(rope_key_heads, pairs, nope_dim, rank, 2 * key_heads * head_dim, rank + rope_values)
 
 
+def stacked_rows(
+    attention: torch.nn.Module,
+    statistics: LayerStatistics,
+    inv_freq: torch.Tensor,
+    budget: Budget,
+    options: ConversionOptions,
+) -> tuple[RopeSplit, torch.Tensor]:
+    """One source attention layer's rope split, and the rows the latent must rebuild: [Hkv * (dk + hd), D], per KV
+    head its rebuilt key rows (NoPE, or every dim in "exact" mode), then its value rows."""
+    config = attention.config
+    head_dim, key_heads = config.head_dim, config.num_key_value_heads
+    query = attention.q_proj.weight.detach().double().cpu().view(config.num_attention_heads, head_dim, -1)
+    key = attention.k_proj.weight.detach().double().cpu().view(key_heads, head_dim, -1)
+    value = attention.v_proj.weight.detach().double().cpu().view(key_heads, head_dim, -1)
+    rope_keys = "exact" if options.rope_mode == "exact" else options.rope_keys
+    split = split_rope(query, key, statistics, inv_freq, rope_keys, budget.rope_pairs, options.pair_selection)
+    return split, torch.cat([torch.cat([split.nope_key[g], value[g]]) for g in range(key_heads)])
+
+
 def factorize_layer(
     attention: torch.nn.Module,
     statistics: LayerStatistics,
@@ -149,15 +168,9 @@ def factorize_layer(
     options: ConversionOptions,
 ) -> tuple[RopeSplit, Factorization]:
     """One source attention layer: its rope split and the factorization of its stacked [NoPE key ; value] rows."""
+    split, stacked = stacked_rows(attention, statistics, inv_freq, budget, options)
     config = attention.config
-    head_dim, key_heads = config.head_dim, config.num_key_value_heads
-    query = attention.q_proj.weight.detach().double().cpu().view(config.num_attention_heads, head_dim, -1)
-    key = attention.k_proj.weight.detach().double().cpu().view(key_heads, head_dim, -1)
-    value = attention.v_proj.weight.detach().double().cpu().view(key_heads, head_dim, -1)
-    rope_keys = "exact" if options.rope_mode == "exact" else options.rope_keys
-    split = split_rope(query, key, statistics, inv_freq, rope_keys, budget.rope_pairs, options.pair_selection)
-    # [Hkv * (dn + hd), D]: per KV head its NoPE key rows, then its value rows
-    stacked = torch.cat([torch.cat([split.nope_key[g], value[g]]) for g in range(key_heads)])
+    value = attention.v_proj.weight.detach().double().cpu().view(config.num_key_value_heads, config.head_dim, -1)
     if options.factorization == "weight":
         return split, factorize(stacked, None, options.damping)
     covariance = statistics.covariance.double()

@@ -1,5 +1,6 @@
 """The jobs behind `egmla retrofit` (the main job), `egmla convert`, `egmla finetune` and `egmla ppl`."""
 
+import dataclasses
 import json
 import math
 import time
@@ -16,6 +17,7 @@ from ..outputs import atomic_folder, check_output_folder
 from ..text import (
     document_ids,
     document_perplexity,
+    packed_blocks,
     perplexity,
     position_buckets,
     read_documents,
@@ -25,6 +27,7 @@ from ..text import (
 )
 from ..training import FinetuneSettings, finetune, settings_summary
 from .convert import ConversionOptions, convert_llama_to_egmla, resolve_budget
+from .gate import fit_gate
 from .reconstruction import ReconstructionSettings, reconstruct_layers
 from .report import print_report, write_model_card
 from .search import choose_split
@@ -49,7 +52,10 @@ class TextSettings:
 
     train_text: Path | None = None  # calibration and distillation; None = sampled from the source
     eval_text: Path | None = None  # held out; None = the last 10% of train_text, else the embedded excerpt
-    block_size: int = 256
+    block_size: int = 256  # of the calibration (and sampled) blocks
+    # Recovery trains on the fitting blocks packed up to this length (None: the source's context, at most 512 on a
+    # CPU), at the same tokens per step: the fitted length is what a model is good at.
+    recovery_block_size: int | None = None
     calibration_blocks: int = 64
     sampled_blocks: int = 64
     eval_blocks: int = 64  # of held-out blocks, for the evaluations during fine-tuning
@@ -57,15 +63,20 @@ class TextSettings:
     seed: int = 0
 
 
+MAX_RECOVERY_BLOCK = 512  # the default recovery length's cap: longer blocks cost more than their tokens on a CPU
+
+
 @dataclass
 class TextData:
     fit: torch.Tensor
+    recovery: torch.Tensor  # the fitting blocks packed to the recovery length
     held_out: torch.Tensor  # blocks [N, block_size], for the evaluations during fine-tuning
     documents: list[torch.Tensor]  # whole held-out documents up to the source's context, for the report
     description: dict = field(default_factory=dict)
 
 
 def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
+    context = teacher.config.max_position_embeddings
     if settings.train_text is not None:
         documents = read_documents(settings.train_text)
         if settings.eval_text is None:
@@ -83,16 +94,24 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
         held_out_documents = read_documents(eval_path)
         eval_source = str(eval_path)
     held_out = token_blocks(tokenizer, held_out_documents, settings.block_size)[: settings.eval_blocks]
-    context = teacher.config.max_position_embeddings
     documents = document_ids(tokenizer, held_out_documents[: settings.eval_documents], context)
+    recovery_length = settings.recovery_block_size or min(context, MAX_RECOVERY_BLOCK)
+    recovery = packed_blocks(fit, recovery_length)
     description = {
         "fit_text": fit_source,
+        "recovery_block_size": recovery.shape[1],
         "eval_text": eval_source,
         "eval_documents": len(documents),
         "eval_tokens": sum(len(document) - 1 for document in documents),
         "eval_context": context,
     }
-    return TextData(fit, held_out, documents, description)
+    return TextData(fit, recovery, held_out, documents, description)
+
+
+def recovery_settings(settings: FinetuneSettings, text: TextData) -> FinetuneSettings:
+    """`batch_size` counts fitting blocks: packed into longer recovery blocks, a step keeps its tokens."""
+    packing = text.recovery.shape[1] // text.fit.shape[1]
+    return dataclasses.replace(settings, batch_size=max(1, settings.batch_size // packing))
 
 
 def score_documents(models: dict[str, torch.nn.Module], text: TextData) -> dict:
@@ -135,13 +154,16 @@ def run_conversion(job: ConversionJob) -> dict:
     calibration = text.fit[: job.text.calibration_blocks]
     options, candidates, statistics = choose_split(teacher, job.options, calibration)
     student = convert_llama_to_egmla(teacher, options, statistics)
+    gate = []
+    if job.reconstruction.gate_init == "least_squares":
+        gate = fit_gate(student, teacher, calibration, statistics, options, job.reconstruction.gate_shrinkage)
     scores = score_documents({"source": teacher, "zero-shot": student}, text)
     layers = reconstruct_layers(student, teacher, calibration, job.reconstruction)
     if layers:
         add_scores(scores, score_documents({"layer-wise": student}, text))
     finetune_summary = None
     if job.finetune is not None:
-        result = finetune(student, teacher, text.fit, job.finetune, eval_blocks=text.held_out)
+        result = finetune(student, teacher, text.recovery, recovery_settings(job.finetune, text), text.held_out)
         student = result.model
         add_scores(scores, score_documents({"fine-tuned": student}, text))
         finetune_summary = {**result_summary(result), **settings_summary(job.finetune)}
@@ -151,7 +173,7 @@ def run_conversion(job: ConversionJob) -> dict:
         "options": asdict(options),
         "budget": {**asdict(resolve_budget(teacher.config, options)), "kv_lora_rank": student.config.kv_lora_rank},
         "candidates": candidates,
-        "reconstruction": {**asdict(job.reconstruction), "layers": layers},
+        "reconstruction": {**asdict(job.reconstruction), "gate": gate, "layers": layers},
         **text.description,
         "kv": kv_report(teacher, student, text.held_out[:2, :32]),
         **scores,
@@ -220,7 +242,7 @@ def run_finetune(job: FinetuneJob) -> dict:
     teacher, tokenizer = load_llama(job.teacher), load_tokenizer(job.teacher)
     text = prepare_text(teacher, tokenizer, job.text)
     scores = score_documents({"before": student}, text)
-    result = finetune(student, teacher, text.fit, job.settings, eval_blocks=text.held_out)
+    result = finetune(student, teacher, text.recovery, recovery_settings(job.settings, text), text.held_out)
     add_scores(scores, score_documents({"after": result.model}, text))
     summary = {
         "student": job.student,

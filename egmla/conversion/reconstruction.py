@@ -18,18 +18,28 @@ from transformers import LlamaForCausalLM
 
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
 
+GATE_INITS = ("least_squares", "identity")
+
 
 @dataclass(frozen=True)
 class ReconstructionSettings:
-    """How long and how fast each attention block is fitted (`steps=0` turns the stage off)."""
+    """The fitting after factorization: the gate's closed form (`gate.py`), then each attention block by Adam
+    (`steps=0` turns that stage off)."""
 
     steps: int = 200  # Adam steps per layer
     batch_size: int = 4  # calibration blocks per step
     learning_rate: float = 1e-3
     fit_gate: bool = True  # fit the gate tables and W^{UE} too (False: the gate stays exactly the identity)
+    # The gate on K/V set by per-token least squares before the Adam stage ("identity": W^{UE} stays zero).
+    gate_init: str = "least_squares"
+    gate_shrinkage: float = 16.0  # pseudo-positions pulling a rare token's gate toward 1 (4-64: within 0.2%)
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.gate_init not in GATE_INITS:
+            raise ValueError(f"gate_init must be one of {GATE_INITS}, got {self.gate_init!r}.")
+        if self.gate_shrinkage < 0:
+            raise ValueError(f"gate_shrinkage must be >= 0, got {self.gate_shrinkage}.")
         if self.steps < 0:
             raise ValueError(f"reconstruction steps must be >= 0 (0 turns it off), got {self.steps}.")
         if self.batch_size <= 0 or self.learning_rate <= 0:

@@ -26,6 +26,17 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
             f"{extra_bytes(kv)})",
         ),
     ]
+    gate = report.get("reconstruction", {}).get("gate")
+    if gate:
+        fitted = [row for row in gate if row["fitted"]]
+        identity = sum(row["attention_error"] for row in gate)
+        kept = sum(row["attention_error_fitted" if row["fitted"] else "attention_error"] for row in gate)
+        rows.append(
+            (
+                "fitted gate (least squares)",
+                f"{len(fitted)} of {len(gate)} tables; attention error on calibration {kept / identity - 1:+.1%}",
+            )
+        )
     for name, value in report.get("perplexity", {}).items():
         if value is not None:
             rows.append((f"held-out perplexity, {name}", f"{value:.3f} (whole documents)"))
