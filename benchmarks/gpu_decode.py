@@ -6,7 +6,7 @@ and FLOP/s next to ceilings measured on the same GPU (a large copy, a large bf16
     TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --smoke       # tiny shapes on the CPU: checks the script
 
 Layer shapes are the paper's EG-MLA-kv64 (12 heads, nope/rope/value dims 64, latent 64, gate tables of 256),
-bf16. "roofline" is the time the kernel would take at the measured ceilings: max(bytes / copy bandwidth,
+bf16, for each decode path (`CASES`: gate on K/V, RoPE-exact latent, gate on the latent, gate off). "roofline" is the time the kernel would take at the measured ceilings: max(bytes / copy bandwidth,
 FLOPs / matmul throughput), bytes being what it must read at least once (the cache and the weights); the
 fraction is roofline / measured (the goal is >= 50%).
 """
@@ -55,11 +55,22 @@ def ceilings(device: torch.device, smoke: bool) -> tuple[float, float]:
     return 2 * source.numel() * 2 / copy_seconds, 2 * size**3 / matmul_seconds
 
 
-def attention_layer(gate_position: str, device: torch.device):
-    config = EGMLAConfig.from_preset("paper-egmla-kv64", num_hidden_layers=1, gate_position=gate_position)
+# The decode paths: the gate on K/V, the RoPE-exact latent (gate on K/V, keys rotated), both re-expanding; the gate
+# on the latent and plain MLA (gate off), both the absorbed MQA.
+CASES = {
+    "kv": {"gate_position": "kv"},
+    "exact": {"gate_position": "kv", "rope_mode": "exact"},
+    "latent": {"gate_position": "latent"},
+    "mla": {"gate_embedding_dim": 0},
+}
+
+
+def attention_layer(case: str, device: torch.device):
+    config = EGMLAConfig.from_preset("paper-egmla-kv64", num_hidden_layers=1, **CASES[case])
     module = EGMLAForCausalLM(config).model.layers[0].self_attn
     with torch.no_grad():
-        module.gate_embedding_proj.weight.normal_(0.0, 0.02)  # a trained gate, not the identity it starts as
+        if module.gate_embedding_proj is not None:  # a trained gate, not the identity it starts as
+            module.gate_embedding_proj.weight.normal_(0.0, 0.02)
     return module.to(device=device, dtype=torch.bfloat16).eval()
 
 
@@ -73,28 +84,36 @@ def decode_case(module, batch_size: int, context: int, device: torch.device):
         return torch.randn(*shape, device=device, dtype=torch.bfloat16)
 
     q_nope, q_rope = randn(batch_size, heads, 1, nope), randn(batch_size, heads, 1, rope)
-    latent, rope_key = randn(batch_size, 1, context, rank), randn(batch_size, 1, context, rope)
+    latent, rope_key = randn(batch_size, 1, context, rank), randn(batch_size, 1, context, module.rope_key_width)
     gate_rows = EGMLAGateRows(randn(batch_size * context, gate_dim), None, batch_size, context)  # one per position
     mask = bool_mask(None, batch_size, 1, context, device)
     weight = module.kv_b_weight(like=latent)
-    if module.gate_position == "kv":
-        gate_weight = module.gate_embedding_proj.weight.view(heads, nope + value_dim, gate_dim)
+    rebuilt = module.rebuilt_key_dim + value_dim  # per head: the keys' rebuilt dims and the value
+    if not module.absorbs:
+        gate_weight = module.gate_embedding_proj.weight.view(heads, rebuilt, gate_dim)
         query = torch.cat([q_nope, q_rope], dim=-1)
         norm = module.gate_norm
-
-        inputs = KVDecodeInputs(query, latent[:, 0], rope_key[:, 0], gate_rows.rows, None, None, None, mask)
+        key_rotary = None
+        if module.rope_mode == "exact":  # cos, sin of the cached positions
+            angles = torch.arange(context, device=device)[:, None] * torch.linspace(0, 1, rope // 2, device=device)
+            cos, sin = (
+                f(torch.cat([angles, angles], dim=-1)).expand(batch_size, -1, -1) for f in (torch.cos, torch.sin)
+            )
+            key_rotary = (cos[:, None].to(torch.bfloat16), sin[:, None].to(torch.bfloat16))
+        key_cos, key_sin = (key_rotary[0][:, 0], key_rotary[1][:, 0]) if key_rotary else (None, None)
+        inputs = KVDecodeInputs(query, latent[:, 0], rope_key[:, 0], gate_rows.rows, None, key_cos, key_sin, mask)
         weights = KVDecodeWeights(weight, gate_weight, norm.weight, norm.variance_epsilon, module.scaling, nope, 1)
 
         def kernel():
             return triton_decode.decode_kv(inputs, weights)
 
         def reference():
-            key, value = module.expand_kv(latent, rope_key, gate_rows)
+            key, value = module.expand_kv(latent, rope_key, gate_rows, key_rotary)
             return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=module.scaling)
 
         # The cache, the gate rows and the weights read once; expansion, gate and attention FLOPs.
         read = (latent.numel() + rope_key.numel() + gate_rows.rows.numel() + weight.numel() + gate_weight.numel()) * 2
-        flops = 2 * batch_size * context * heads * ((nope + value_dim) * (rank + gate_dim) + nope + rope + value_dim)
+        flops = 2 * batch_size * context * heads * (rebuilt * (rank + gate_dim) + nope + rope + value_dim)
     else:
         query_latent = torch.einsum("bhsd,hdr->bhsr", q_nope, weight[:, :nope])
         inputs = LatentDecodeInputs(query_latent, q_rope, latent[:, 0], rope_key[:, 0], mask)
@@ -136,14 +155,14 @@ def main() -> None:
         "| kernel | batch | context | ms | vs reference | vs MHA (SDPA, full cache) | GB/s | TFLOP/s | roofline % |"
         "\n|---|---|---|---|---|---|---|---|---|"
     )
-    for gate_position in ("kv", "latent"):
-        module = attention_layer(gate_position, device)
+    for case in CASES:
+        module = attention_layer(case, device)
         for context in contexts:
             kernel, reference, mha, read, flops = decode_case(module, batch_size, context, device)
             kernel_s, reference_s, mha_s = (timed(f, repetitions, device) for f in (kernel, reference, mha))
             roofline = max(read / bandwidth, flops / throughput)
             print(
-                f"| {gate_position} | {batch_size} | {context} | {kernel_s * 1e3:.3f} | {reference_s / kernel_s:.2f}x "
+                f"| {case} | {batch_size} | {context} | {kernel_s * 1e3:.3f} | {reference_s / kernel_s:.2f}x "
                 f"| {mha_s / kernel_s:.2f}x | {read / kernel_s / 1e9:.0f} | {flops / kernel_s / 1e12:.2f} "
                 f"| {100 * roofline / kernel_s:.0f}% |"
             )

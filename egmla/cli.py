@@ -341,7 +341,7 @@ def add_bench(commands) -> None:
     bench.add_argument("panel", choices=["kv", "decode", "train", "figure"])
     bench.add_argument("--results", type=Path, default=Path("benchmarks/results"), help="JSON results folder")
     bench.add_argument("--quick", action="store_true", help="toy sizes, seconds (what the tests run)")
-    bench.add_argument("--contexts", type=int, nargs="+", default=[512, 2048], help="decode: context lengths")
+    bench.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096], help="decode: context lengths")
     bench.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode: batch sizes")
     bench.add_argument("--repetitions", type=int, default=5, help="decode: interleaved repetitions")
     bench.add_argument("--budget-mib", type=float, default=64, help="decode: cache budget for the tokens/s table")

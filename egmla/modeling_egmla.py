@@ -203,6 +203,8 @@ class EGMLAGateRows(NamedTuple):
 
 def look_up_gate_rows(tables: nn.ModuleList, token_ids: torch.Tensor) -> list[EGMLAGateRows]:
     """Per gate table, the rows of the tokens `token_ids` [B, T] (an offloaded table moves only distinct ones)."""
+    if torch.compiler.is_compiling():  # the number of distinct tokens is data: one row per position keeps one graph
+        return [EGMLAGateRows(table(token_ids).flatten(0, 1), None, *token_ids.shape) for table in tables]
     distinct, index = torch.unique(token_ids, return_inverse=True)
     per_position = distinct.numel() > DISTINCT_TOKEN_SHARE * token_ids.numel()
     looked_up = []
@@ -233,11 +235,47 @@ class EGMLALatentCacheLayer(DynamicLayer):
 
     _layer_type = EGMLA_LAYER_TYPE
     PER_TOKEN = ("token_ids", "positions")
+    GROWTH_CHUNK = 256  # positions the storage grows by: one copy of the cache per chunk, not per step
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.token_ids: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
+        self.storage: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, 1, capacity, .] behind keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Appends the new latents [B, 1, S, r] and rope keys [B, 1, S, Hr*dr]; `keys`/`values` are views of the
+        first T positions of a storage that grows GROWTH_CHUNK positions at a time, so that a decode step writes
+        its own token instead of copying the whole cache (at most GROWTH_CHUNK - 1 positions stay unused)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, total = self.get_seq_length(), self.get_seq_length() + key_states.shape[-2]
+        if not self.holds_views(key_states, total):
+            capacity = math.ceil(total / self.GROWTH_CHUNK) * self.GROWTH_CHUNK
+            self.storage = tuple(
+                new.new_zeros(*new.shape[:2], capacity, new.shape[-1]) for new in (key_states, value_states)
+            )
+            if length:
+                self.storage[0][:, :, :length] = self.keys
+                self.storage[1][:, :, :length] = self.values
+        self.storage[0][:, :, length:total] = key_states
+        self.storage[1][:, :, length:total] = value_states
+        self.keys, self.values = self.storage[0][:, :, :total], self.storage[1][:, :, :total]
+        return self.keys, self.values
+
+    def holds_views(self, new: torch.Tensor, total: int) -> bool:
+        """Whether `keys` still views the storage (a reorder, offload or move replaces it) with room for `total`."""
+        if self.storage is None or self.keys.numel() == 0:
+            return False
+        latent = self.storage[0]
+        return (
+            self.keys.data_ptr() == latent.data_ptr()
+            and self.values.data_ptr() == self.storage[1].data_ptr()
+            and latent.shape[:2] == new.shape[:2]
+            and latent.dtype == new.dtype
+            and latent.device == new.device
+            and latent.shape[2] >= total
+        )
 
     def append_per_token(self, name: str, values: torch.Tensor) -> torch.Tensor:
         """Appends the new tokens' `name` values [B, S] and returns those of the whole context [B, T]."""
@@ -252,7 +290,7 @@ class EGMLALatentCacheLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.token_ids = self.positions = None
+        self.token_ids = self.positions = self.storage = None
 
     def crop(self, max_length: int) -> None:
         super().crop(max_length)
@@ -274,16 +312,43 @@ class EGMLALatentCacheLayer(DynamicLayer):
 
 
 class EGMLAStaticCacheLayer(StaticLayer):
-    """Registered under our layer type so that `cache_implementation="static"` fails with a clear message
-    instead of a `KeyError`: there is no preallocated latent cache yet."""
+    """The preallocated twin of `EGMLALatentCacheLayer` (`cache_implementation="static"`, `torch.compile`): the
+    latent [B, 1, L, r] and rope keys [B, 1, L, Hr*dr] of L = max_cache_len positions, written in place, and in
+    layer 0 the token ids and positions [B, L] the mode needs; the attention mask hides the unwritten slots, so
+    every step has the same shapes and a compiled decode step does not recompile."""
 
     _layer_type = EGMLA_LAYER_TYPE
+    PER_TOKEN = ("token_ids", "positions")
 
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError(
-            "EG-MLA has no static (preallocated) latent cache yet: use the default dynamic cache "
-            "(no cache_implementation) or pass `cache=EGMLACache(model.config)`."
-        )
+    def __init__(self, max_cache_len: int, **kwargs):
+        super().__init__(max_cache_len=max_cache_len, **kwargs)
+        self.token_ids: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+
+    def append_per_token(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """Writes the new tokens' `name` values [B, S] into their slots; returns the whole row [B, L]."""
+        held = getattr(self, name)
+        if held is None:
+            held = values.new_zeros(values.shape[0], self.max_cache_len)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(held)
+            setattr(self, name, held)
+        # Called before this step's `update` (by the model, once per forward): the slots after the cached ones.
+        slots = torch.arange(values.shape[1], device=held.device) + self.cumulative_length.to(held.device)
+        held.index_copy_(1, slots, values.to(held.device))
+        return held
+
+    def reset(self) -> None:
+        super().reset()
+        for name in self.PER_TOKEN:
+            if getattr(self, name) is not None:
+                getattr(self, name).zero_()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """In place, so that the static addresses a compiled step was built on stay valid."""
+        for tensor in (self.keys, self.values, self.token_ids, self.positions):
+            if tensor is not None:
+                tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
 
 
 class EGMLACache(DynamicCache):
@@ -428,9 +493,9 @@ class EGMLAAttention(nn.Module):
 
     Prefill and training expand the latent to per-head keys and values and run the configured attention
     function (sdpa, eager, ...): `expanded_attention`. Decoding goes through `decode_attention`: a fused kernel when
-    the implementation is an `egmla_fused*` one, else with `gate_position="latent"` the absorbed MQA over the cached
-    `[latent ; rope key]` without any expansion, and with `gate_position="kv"` the re-expansion of every cached
-    latent with the gate rebuilt from the cached token ids.
+    the implementation is an `egmla_fused*` one, else with the gate off or on the latent the absorbed MQA over the
+    cached `[latent ; rope key]` without any expansion, and with the gate on K/V (or RoPE-exact keys) the
+    re-expansion of every cached latent with the gate rebuilt from the cached token ids.
     """
 
     def __init__(self, config: EGMLAConfig, layer_idx: int):
@@ -453,6 +518,9 @@ class EGMLAAttention(nn.Module):
         self.rope_dims = self.rotary_dims(config, layer_idx)
         self.rope_dims_tensor: torch.Tensor | None = None
         self.gate_position = config.gate_position
+        # Decoding can fold W^{UK} into the query and attend over the cached latent itself (MQA) when no gate sits
+        # between the cache and the keys and no rebuilt key must be rotated.
+        self.absorbs = self.rope_mode == "decoupled" and (self.gate_position == "latent" or not config.gate_enabled)
         self.attention_dropout = config.attention_dropout
         self.scaling = attention_scaling(config)
         self.is_causal = True
@@ -561,22 +629,26 @@ class EGMLAAttention(nn.Module):
         q_nope [B, H, S, dn], q_rope [B, H, S, dr], latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr].
         Returns the output [B, S, H, dv] and the attention weights [B, H, S, T].
         """
-        batch_size, _, query_length, _ = q_nope.shape
+        batch_size, heads, query_length, _ = q_nope.shape
         key_length = latent.shape[2]
+        latent = latent[:, 0]  # [B, T, r], shared by every head
         weight = self.kv_b_weight(like=latent)
         w_uk, w_uv = weight.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
         q_latent = torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk)  # [B, H, S, r]
-        scores = torch.matmul(q_latent, latent.transpose(2, 3))  # [B, H, S, T]
-        group = self.num_heads // self.rope_key_heads
-        q_rope = q_rope.view(batch_size, self.rope_key_heads, group, query_length, self.qk_rope_head_dim)
-        k_rope = rope_key.view(batch_size, key_length, self.rope_key_heads, self.qk_rope_head_dim)
-        k_rope = k_rope.permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hr, 1, dr, T]
-        scores = scores + torch.matmul(q_rope, k_rope).view(batch_size, self.num_heads, query_length, key_length)
+        # One KV head: the query heads fold into the rows of one batched product, so no head copies the latent.
+        scores = torch.bmm(q_latent.reshape(batch_size, heads * query_length, -1), latent.transpose(1, 2))
+        group = heads // self.rope_key_heads
+        q_rope = q_rope.reshape(batch_size * self.rope_key_heads, group * query_length, self.qk_rope_head_dim)
+        k_rope = rope_key[:, 0].view(batch_size, key_length, self.rope_key_heads, self.qk_rope_head_dim)
+        k_rope = k_rope.permute(0, 2, 3, 1).reshape(batch_size * self.rope_key_heads, self.qk_rope_head_dim, -1)
+        scores = scores.view(batch_size, heads, query_length, key_length) + torch.bmm(q_rope, k_rope).view(
+            batch_size, heads, query_length, key_length
+        )  # [B, H, S, T]
         scores = mask_scores(scores * self.scaling, attention_mask)
         probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
         probs = nn.functional.dropout(probs, p=self.attention_dropout, training=self.training)
-        out_latent = torch.matmul(probs, latent)  # [B, H, S, r]
-        output = torch.einsum("bhsr,hvr->bshv", out_latent, w_uv)
+        out_latent = torch.bmm(probs.view(batch_size, heads * query_length, key_length), latent)  # [B, H*S, r]
+        output = torch.einsum("bhsr,hvr->bshv", out_latent.view(batch_size, heads, query_length, -1), w_uv)
         return output, probs
 
     def decode_attention(
@@ -591,7 +663,7 @@ class EGMLAAttention(nn.Module):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """New queries [B, H, S, .] over the whole cache, by the first path that applies: a latent-decode kernel of
-        the attention implementation (`egmla_fused*`, see the contract above), the absorbed MQA (gate on the
+        the attention implementation (`egmla_fused*`, see the contract above), the absorbed MQA (gate off or on the
         latent, decoupled rope), or the re-expansion of every cached latent (gate on K/V: the paper's form allows
         no absorption; "exact" rope: every rebuilt key is rotated)."""
         implementation = self.config._attn_implementation
@@ -602,7 +674,7 @@ class EGMLAAttention(nn.Module):
             )
             if output is not None:
                 return output, None
-        if self.gate_position == "latent" and self.rope_mode == "decoupled":
+        if self.absorbs:
             return self.absorbed_attention(q_nope, q_rope, latent, rope_key, attention_mask)
         return self.expanded_attention(
             q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, attention_mask, **kwargs
@@ -680,12 +752,11 @@ class EGMLAAttention(nn.Module):
         if self.rope_mode == "exact":
             key_rotary = self.select_rotary(*(key_position_embeddings or position_embeddings))
 
-        past_length = 0
         if cache is not None:
-            past_length = cache.get_seq_length(self.layer_idx)
             latent, rope_key = cache.update(latent, rope_key, self.layer_idx)  # [B, 1, T, r], [B, 1, T, Hr*dr]
 
-        if past_length > 0 and not self.training:
+        # By shape, not by the cache's length (a tensor in a static cache: comparing it would sync and break graphs).
+        if cache is not None and latent.shape[2] > seq_length and not self.training:
             attn_output, attn_weights = self.decode_attention(
                 q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, attention_mask, **kwargs
             )
@@ -742,6 +813,7 @@ class EGMLAPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False  # flash kernels need equal q/k and v head dims
     _supports_flex_attn = False
     _supports_attention_backend = False  # the latent cache is private to this model
+    _can_compile_fullgraph = True  # with the static latent cache (cache_implementation="static")
     _can_record_outputs = {"hidden_states": EGMLADecoderLayer, "attentions": EGMLAAttention}
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
@@ -798,8 +870,14 @@ class EGMLAModel(EGMLAPreTrainedModel):
         self.post_init()
 
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
-        """Out-of-range ids would index past the embedding and gate tables: refuse them with a clear error."""
-        if input_ids.numel() == 0:
+        """Out-of-range ids would index past the embedding and gate tables: refuse them with a clear error.
+
+        Checked where it costs no host-device sync per decode step: ids on the CPU (reading them is free), and on
+        an accelerator every forward of more than one token per row (a prompt: once per `generate` call); a
+        one-token step on an accelerator feeds back the model's own token. Never inside a compiled graph."""
+        if input_ids.numel() == 0 or torch.compiler.is_compiling():
+            return
+        if input_ids.device.type != "cpu" and input_ids.shape[-1] == 1:
             return
         low, high = input_ids.min().item(), input_ids.max().item()
         if low < 0 or high >= self.config.vocab_size:

@@ -2,6 +2,7 @@
 
 import json
 
+from egmla.bench.decode import VARIANTS
 from egmla.cli import main
 
 
@@ -25,8 +26,9 @@ def test_bench_quick_mode_measures_every_panel_and_draws_the_figure(tmp_path, ca
     decode = json.loads((results / "decode.json").read_text())
     assert {row["batch"] for row in decode["grid"]} == {1, 2}
     for row in decode["grid"]:
-        assert set(row["ms_per_token"]) == {"mla-base", "egmla-kv64", "mha", "deepseek-v3-mla"}
+        assert set(row["ms_per_token"]) == {column for column, _, _ in VARIANTS}  # default and compiled static
         assert all(value > 0 for value in row["ms_per_token"].values())
+    assert decode["cache_bytes_per_token"]["egmla-kv64-static"] == decode["cache_bytes_per_token"]["egmla-kv64"]
     budget = decode["budget"]["models"]
     # A smaller cache fits more sequences into the same budget.
     assert budget["egmla-kv64"]["sequences"] > budget["mla-base"]["sequences"] > budget["mha"]["sequences"]

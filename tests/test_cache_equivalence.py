@@ -381,7 +381,89 @@ def test_attention_depends_only_on_relative_positions(overrides):
     torch.testing.assert_close(reference, shifted, rtol=0, atol=1e-5)
 
 
-def test_static_cache_is_refused_clearly():
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_static_cache_generates_the_dynamic_caches_tokens(mode):
+    """`cache_implementation="static"` preallocates the latent cache (and the token ids / positions the mode needs):
+    greedy with left padding, beam search and seeded sampling give the dynamic cache's tokens."""
+    model = tiny_model(gate_std=0.3, **MODES[mode])
+    prompts = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+    attention_mask = torch.ones_like(prompts)
+    prompts[0, :2], attention_mask[0, :2] = 0, 0
+    for settings in (
+        {"do_sample": False},
+        {"do_sample": False, "num_beams": 2},
+        {"do_sample": True, "top_k": 5},
+    ):
+        runs = []
+        for cache_implementation in (None, "static"):
+            torch.manual_seed(0)
+            runs.append(model.generate(prompts, attention_mask=attention_mask, max_new_tokens=6,
+                                       cache_implementation=cache_implementation, **settings))  # fmt: skip
+        assert torch.equal(*runs), settings
+
+
+def test_static_cache_holds_the_arithmetic_for_its_preallocated_length():
+    from transformers import StaticCache
+
+    model = tiny_model(gate_position="kv", rope_mode="exact")  # latent, token ids and positions
+    cache = StaticCache(config=model.config, max_cache_len=40)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (2, 9)), cache=cache)
+    latent_bytes = 4 * sum(model.config.layer_kv_lora_rank(layer) for layer in range(model.config.num_hidden_layers))
+    assert cache_nbytes(cache) == 2 * 40 * (latent_bytes + 8 + 8)  # fp32 latents; int64 ids and positions
+    assert int(cache.get_seq_length()) == 9
+
+
+def test_a_compiled_static_decode_step_has_no_graph_break_and_does_not_recompile():
+    """The whole decode step compiles to one graph (no host sync, no data-dependent branch: the id check and the
+    distinct-token lookup stay out of compiled graphs), and later steps reuse it."""
+    from transformers import StaticCache
+
+    for mode in ("gate-kv", "exact-gate-kv", "mla"):
+        model = tiny_model(gate_std=0.3, **MODES[mode])
+        cache = StaticCache(config=model.config, max_cache_len=24)
+        with torch.no_grad():
+            token = model(torch.randint(3, 128, (2, 5)), cache=cache).logits[:, -1:].argmax(-1)
+            explanation = torch._dynamo.explain(model.forward)(token, cache=cache, position_ids=torch.tensor([[5]]))
+        assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+    model = tiny_model(gate_std=0.3, **MODES["gate-kv"])
+    prompts = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    expected = model.generate(prompts, max_new_tokens=6, do_sample=False)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, dynamic=False)
+    with torch.no_grad():
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        logits = model(prompts, cache=cache).logits  # prefill (its own graph)
+        tokens = [logits[:, -1:].argmax(-1)]
+        for step in range(5):
+            with torch._dynamo.config.patch(error_on_recompile=step >= 2):  # steps 0 and 1 build the decode graph
+                position = torch.tensor([[5 + step]])
+                tokens.append(model(tokens[-1], cache=cache, position_ids=position).logits[:, -1:].argmax(-1))
+    assert torch.equal(torch.cat([prompts, *tokens], dim=1), expected)
+
+
+def test_the_dynamic_latent_cache_grows_by_chunks_not_by_copying_every_step():
     model = tiny_model()
-    with pytest.raises(NotImplementedError, match="no static"):
-        model.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=2, cache_implementation="static")
+    cache = EGMLACache(model.config)
+    input_ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model(input_ids[:, :4], cache=cache)
+        layer = cache.layers[1]
+        storage = layer.keys.data_ptr()
+        for step in range(4, 10):
+            model(input_ids[:, step : step + 1], cache=cache)
+            assert layer.keys.data_ptr() == storage and layer.keys.shape[2] == step + 1  # written in place
+        assert layer.storage[0].shape[2] == layer.GROWTH_CHUNK
+        cache.reorder_cache(torch.tensor([1, 0]))  # a new tensor: the next step moves to a new storage
+        model(input_ids[:, :1], cache=cache)
+        assert layer.keys.shape[2] == 11 and torch.equal(layer.keys, layer.storage[0][:, :, :11])
+    assert (
+        cache_nbytes(cache)
+        == 11
+        * 2
+        * 4
+        * sum(  # what the cache holds for its tokens, not its spare room
+            model.config.layer_kv_lora_rank(index) + model.config.rope_key_width for index in range(2)
+        )
+        + 11 * 2 * 8 * model.config.caches_token_ids
+    )

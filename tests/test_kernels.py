@@ -76,8 +76,8 @@ def in_float32(call: EGMLALatentDecode) -> EGMLALatentDecode:
 
 
 def reference(module, call: EGMLALatentDecode, mask: torch.Tensor) -> torch.Tensor:
-    """The model's own (eager) decode path: re-expansion for gate_position="kv", absorbed MQA for "latent"."""
-    if module.gate_position == "latent" and module.rope_mode == "decoupled":
+    """The model's own (eager) decode path: the absorbed MQA where it is exact, else the re-expansion."""
+    if module.absorbs:
         return module.absorbed_attention(call.q_nope, call.q_rope, call.latent, call.rope_key, mask[:, None])[0]
     key, value = module.expand_kv(call.latent, call.rope_key, call.gate_rows, call.key_rotary)
     additive = torch.zeros(mask.shape, dtype=call.q_nope.dtype).masked_fill(~mask, torch.finfo(call.q_nope.dtype).min)
@@ -313,8 +313,8 @@ def test_the_gpu_benchmark_script_runs(tmp_path):
         env={**os.environ, "TRITON_INTERPRET": "1"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| kv |") or line.startswith("| latent |")]
-    assert len(rows) == 2
+    rows = [line.split("|")[1].strip() for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["kv", "exact", "latent", "mla"]  # a header, then one row per decode path
 
 
 def test_triton_leaves_steps_under_autograd_to_the_reference():
@@ -342,3 +342,21 @@ def test_gate_rows_take_int32_token_ids():
     table = torch.nn.Embedding(8, 4)
     (gate_rows,) = look_up_gate_rows(torch.nn.ModuleList([table]), token_ids)
     assert gate_rows.rows.shape == (2, 4) and torch.equal(gate_rows.rows[gate_rows.index], table(token_ids))
+
+
+@pytest.mark.parametrize("rope_key_heads", [1, 2])
+@pytest.mark.parametrize(("gate_position", "gate_dim"), [("kv", 0), ("latent", 0), ("latent", 10)])
+def test_the_absorbed_decode_equals_the_re_expansion_wherever_it_is_chosen(gate_position, gate_dim, rope_key_heads):
+    """Gate off (either position) or on the latent, decoupled rope: decoding absorbs W^{UK} and attends over the
+    shared latent, and gives what re-expanding every cached latent gives."""
+    module = attention_module(gate_position, rope_key_heads, gate_dim, "rms")
+    assert module.absorbs
+    call, mask = decode_step(module, 2, 29, 3, 4)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[:, None]
+    absorbed, _ = module.absorbed_attention(call.q_nope, call.q_rope, call.latent, call.rope_key, additive)
+    expanded, _ = module.expanded_attention(
+        call.q_nope, call.q_rope, call.latent, call.rope_key, call.gate_rows, None, additive
+    )
+    torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
+    assert not attention_module("kv", rope_key_heads, 10, "rms").absorbs  # the gate on K/V sits after the cache
+    assert not attention_module(gate_position, 1, gate_dim, "rms", rope_mode="exact").absorbs

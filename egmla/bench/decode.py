@@ -1,39 +1,91 @@
-"""Panel (d): decode ms per token on the CPU, MLA-Base vs EG-MLA-kv64 (the same code, gate off / on, both through
-`egmla_fused`), the Llama MHA of the same width and transformers' DeepSeek-V3 MLA, medians over interleaved
-repetitions in one process; plus the tokens/s each reaches when a fixed cache budget sets how many sequences
-decode together."""
+"""Panel (d): decode ms per token on the CPU, each model on its default path (a dynamic cache, no
+`attn_implementation` argument: what a user gets) and compiled over a static cache (`torch.compile` of the whole
+forward), medians over interleaved repetitions in one process, as ratios to Llama MHA; plus the tokens/s each reaches
+when a fixed cache budget sets how many sequences decode together.
+
+The caches are filled with random contents of the context's length (and random token ids for the gate), not by a
+prefill: a decode step costs the same whatever the cache holds, and a 12-layer prefill of 8 x 4096 tokens would take
+minutes per model on two cores.
+"""
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache, StaticCache
 
 from ..measure import cache_bytes_per_token
 from .models import LABELS, build, paper_dims
 
-DECODE_MODELS = ("mla-base", "egmla-kv64", "mha", "deepseek-v3-mla")
+# (column, model, cache): every model on its default path, and compiled over a static cache.
+VARIANTS = (
+    ("mha", "mha", "dynamic"),
+    ("mha-static", "mha", "static"),
+    ("deepseek-v3-mla", "deepseek-v3-mla", "dynamic"),
+    ("mla-base", "mla-base", "dynamic"),
+    ("mla-base-static", "mla-base", "static"),
+    ("egmla-kv64", "egmla-kv64", "dynamic"),
+    ("egmla-kv64-static", "egmla-kv64", "static"),
+    ("egmla-kv64-latent", "egmla-kv64-latent", "dynamic"),
+    ("egmla-kv64-latent-static", "egmla-kv64-latent", "static"),
+)
+BUDGET_MODELS = ("mha", "deepseek-v3-mla", "mla-base", "egmla-kv64", "egmla-kv64-latent")
 
 
+def column_label(column: str) -> str:
+    if column.endswith("-static"):
+        return LABELS[column.removesuffix("-static")] + ", compiled static"
+    return LABELS[column]
+
+
+@torch.no_grad()
+def filled_cache(model: torch.nn.Module, cache_kind: str, batch_size: int, context: int, seed: int):
+    """A cache holding `context` random positions per layer, shaped as the model's own (learned from a 2-token
+    forward), with random token ids where the model keeps them."""
+    generator = torch.Generator().manual_seed(seed)
+    probe = model(torch.randint(0, 100, (batch_size, 2), generator=generator), use_cache=True).cache
+    if cache_kind == "static":
+        cache = StaticCache(config=model.config, max_cache_len=context + 8)
+    else:
+        cache = DynamicCache(config=model.config)
+    per_token = getattr(cache.layers[0], "append_per_token", None)
+    if per_token is not None and probe.layers[0].token_ids is not None:
+        per_token("token_ids", torch.randint(0, model.config.vocab_size, (batch_size, context), generator=generator))
+    for layer_idx, layer in enumerate(probe.layers):
+        keys = torch.randn(*layer.keys.shape[:2], context, layer.keys.shape[-1], generator=generator)
+        values = torch.randn(*layer.values.shape[:2], context, layer.values.shape[-1], generator=generator)
+        cache.update(keys, values, layer_idx)
+    return cache
+
+
+@dataclass
 class DecodeState:
-    """A model with a prefilled cache of `context` tokens for `batch_size` sequences; `step()` decodes one token and
-    crops the cache back, so every timed step sees the same context."""
+    """A model, its filled cache and the forward to time; `step()` decodes one token at the context's end and crops
+    the cache back, so every timed step sees the same context."""
 
-    def __init__(self, model: torch.nn.Module, batch_size: int, context: int, vocab_size: int):
-        self.model = model
-        generator = torch.Generator().manual_seed(context + batch_size)
-        prompt = torch.randint(0, vocab_size - 1, (batch_size, context), generator=generator)
-        self.token = torch.randint(0, vocab_size - 1, (batch_size, 1), generator=generator)
-        self.cache = model(prompt, use_cache=True).cache
+    forward: object
+    cache: object
+    token: torch.Tensor
+    position: torch.Tensor
 
     def step(self) -> None:
-        self.model(self.token, cache=self.cache, use_cache=True)
+        self.forward(self.token, cache=self.cache, position_ids=self.position, use_cache=True)
         self.cache.crop(-1)
+
+
+def decode_state(model: torch.nn.Module, cache_kind: str, batch_size: int, context: int) -> DecodeState:
+    cache = filled_cache(model, cache_kind, batch_size, context, seed=context + batch_size)
+    forward = torch.compile(model.forward, dynamic=False) if cache_kind == "static" else model.forward
+    token = torch.randint(0, model.config.vocab_size, (batch_size, 1), generator=torch.Generator().manual_seed(1))
+    return DecodeState(forward, cache, token, torch.full((batch_size, 1), context))
 
 
 def median_ms(states: dict[str, DecodeState], repetitions: int, steps: int) -> dict[str, float]:
     """Interleaved: every repetition times each model in turn (the machine is shared and noisy)."""
     for state in states.values():
-        state.step()  # warm-up: compiles the fused path, first allocations
+        for _ in range(2):  # warm-up: compiles the static graphs (and the fused paths), first allocations
+            state.step()
     samples = {name: [] for name in states}
     for _ in range(repetitions):
         for name, state in states.items():
@@ -47,7 +99,7 @@ def median_ms(states: dict[str, DecodeState], repetitions: int, steps: int) -> d
 @torch.no_grad()
 def run_decode(
     quick: bool = False,
-    contexts: tuple[int, ...] = (512, 2048),
+    contexts: tuple[int, ...] = (512, 2048, 4096),
     batches: tuple[int, ...] = (1, 8),
     repetitions: int = 5,
     steps: int = 2,
@@ -59,31 +111,29 @@ def run_decode(
         budget_mib, budget_context = 0.1, 32
     else:
         dims = paper_dims()
-    max_positions = max(*contexts, budget_context) + 8
-    models = {name: build(name, dims, max_positions) for name in DECODE_MODELS}
-    for name in ("mla-base", "egmla-kv64"):
-        models[name].set_attn_implementation("egmla_fused")
+    max_positions = max(*contexts, budget_context) + 16
+    models = {name: build(name, dims, max_positions) for name in {model for _, model, _ in VARIANTS}}
     grid = []
     for batch_size in batches:
         for context in contexts:
+            torch._dynamo.reset()  # each cell compiles its own static shapes; the earlier graphs are not needed
             states = {
-                name: DecodeState(model, batch_size, context, dims["vocab_size"]) for name, model in models.items()
+                column: decode_state(models[model], cache_kind, batch_size, context)
+                for column, model, cache_kind in VARIANTS
             }
             ms = median_ms(states, repetitions, steps)
+            del states  # the next cell's caches are built before this dict would be replaced
             grid.append({"batch": batch_size, "context": context, "ms_per_token": ms})
-            print(
-                f"batch {batch_size}, context {context}: "
-                + ", ".join(f"{LABELS[name]} {value:.1f} ms" for name, value in ms.items())
-            )
+            print(f"batch {batch_size}, context {context}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()))
 
-    # A fixed cache budget: as many sequences as their caches fit, all decoding together.
+    # A fixed cache budget: as many sequences as their caches fit, all decoding together (default paths).
     probe = torch.randint(0, dims["vocab_size"] - 1, (1, 8))
-    bytes_per_token = {name: cache_bytes_per_token(model, probe, new_tokens=4) for name, model in models.items()}
+    bytes_per_token = {name: cache_bytes_per_token(models[name], probe, new_tokens=4) for name in BUDGET_MODELS}
     budget_bytes = budget_mib * 2**20
     sequences = {name: max(1, int(budget_bytes // (value * budget_context))) for name, value in bytes_per_token.items()}
     budget_ms = {}
-    for name, model in models.items():
-        state = DecodeState(model, sequences[name], budget_context, dims["vocab_size"])
+    for name in BUDGET_MODELS:
+        state = decode_state(models[name], "dynamic", sequences[name], budget_context)
         budget_ms[name] = median_ms({name: state}, max(1, repetitions // 2), steps)[name]
     throughput = {
         name: {
@@ -92,30 +142,39 @@ def run_decode(
             "ms_per_step": budget_ms[name],
             "tokens_per_s": sequences[name] * 1000 / budget_ms[name],
         }
-        for name in models
+        for name in BUDGET_MODELS
     }
     return {
         "layers": dims["num_hidden_layers"],
         "threads": torch.get_num_threads(),
         "repetitions": repetitions,
         "steps": steps,
+        "cache_bytes_per_token": {column: bytes_per_token.get(model) for column, model, _ in VARIANTS},
         "grid": grid,
         "budget": {"mib": budget_mib, "context": budget_context, "models": throughput},
     }
 
 
+def decode_table(result: dict) -> list[str]:
+    """The grid as markdown rows: ms/token and the ratio to MHA's default path in each cell."""
+    columns = list(result["grid"][0]["ms_per_token"])
+    lines = ["| batch | context | " + " | ".join(column_label(column) for column in columns) + " |"]
+    lines.append("|---|---|" + "---|" * len(columns))
+    for row in result["grid"]:
+        mha = row["ms_per_token"]["mha"]
+        cells = [f"{row['ms_per_token'][column]:.1f} ({row['ms_per_token'][column] / mha:.2f}x)" for column in columns]
+        lines.append(f"| {row['batch']} | {row['context']} | " + " | ".join(cells) + " |")
+    bytes_row = [f"{result['cache_bytes_per_token'][column] or 0:,.0f}" for column in columns]
+    lines.append("| cache bytes/token | | " + " | ".join(bytes_row) + " |")
+    return lines
+
+
 def print_decode(result: dict) -> None:
-    names = list(result["grid"][0]["ms_per_token"])
     print(
         f"\ndecode ms/token on the CPU ({result['layers']} layers, {result['threads']} threads, medians of "
-        f"{result['repetitions']} interleaved repetitions x {result['steps']} steps), ratio to MLA-Base"
+        f"{result['repetitions']} interleaved repetitions x {result['steps']} steps), ratio to MHA (Llama)"
     )
-    print("| batch | context | " + " | ".join(LABELS[name] for name in names) + " |")
-    print("|---|---|" + "---|" * len(names))
-    for row in result["grid"]:
-        mla = row["ms_per_token"]["mla-base"]
-        cells = [f"{row['ms_per_token'][name]:.1f} ({row['ms_per_token'][name] / mla:.2f}x)" for name in names]
-        print(f"| {row['batch']} | {row['context']} | " + " | ".join(cells) + " |")
+    print("\n".join(decode_table(result)))
     budget = result["budget"]
     print(f"\nwith a {budget['mib']:g} MiB cache budget at context {budget['context']}:")
     print("| model | cache bytes/token | sequences | ms/step | tokens/s |\n|---|---|---|---|---|")

@@ -11,7 +11,7 @@ def expected_elements_per_token(name: str, dims: dict) -> int:
     layers = dims["num_hidden_layers"]
     if name == "mha":
         return 2 * dims["hidden_size"] * layers
-    rank = {"mla-base": 256, "deepseek-v3-mla": 256, "egmla-kv64": 64, "egmla-kv16": 16}[name]
+    rank = {"mla-base": 256, "deepseek-v3-mla": 256, "egmla-kv64": 64, "egmla-kv64-latent": 64, "egmla-kv16": 16}[name]
     return (rank + dims["qk_rope_head_dim"]) * layers
 
 

@@ -7,11 +7,12 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, L
 from ..configuration_egmla import PRESETS, EGMLAConfig
 from ..modeling_egmla import EGMLAForCausalLM
 
-NAMES = ("mha", "mla-base", "egmla-kv64", "egmla-kv16", "deepseek-v3-mla")
+NAMES = ("mha", "mla-base", "egmla-kv64", "egmla-kv64-latent", "egmla-kv16", "deepseek-v3-mla")
 LABELS = {
     "mha": "MHA (Llama)",
     "mla-base": "MLA-Base",
     "egmla-kv64": "EG-MLA-kv64",
+    "egmla-kv64-latent": "EG-MLA-kv64, gate on the latent",
     "egmla-kv16": "EG-MLA-kv16",
     "deepseek-v3-mla": "DeepSeek-V3 MLA (transformers)",
 }
@@ -63,6 +64,8 @@ def build(name: str, dims: dict, max_positions: int = 2048) -> torch.nn.Module:
     else:
         preset = {"mla-base": "paper-mla-base", "egmla-kv64": "paper-egmla-kv64", "egmla-kv16": "paper-egmla-kv16"}
         overrides = {key: dims[key] for key in ("vocab_size", "num_hidden_layers", "bos_token_id", "eos_token_id")}
+        if name == "egmla-kv64-latent":
+            name, overrides["gate_position"] = "egmla-kv64", "latent"
         model = EGMLAForCausalLM(
             EGMLAConfig.from_preset(preset[name], **overrides, max_position_embeddings=max_positions)
         )

@@ -27,6 +27,8 @@ from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
 from .calibration import LayerStatistics
 from .convert import ConversionOptions, resolve_budget, stacked_rows
 
+ERROR_BLOCKS = 16  # calibration blocks the attention error is compared on (the least squares uses them all)
+
 
 class GateStatistics(NamedTuple):
     """One layer's per-token sums over the calibration positions ([U] distinct tokens of the blocks)."""
@@ -60,8 +62,10 @@ def layer_inputs(teacher: LlamaForCausalLM, blocks: torch.Tensor):
 
 @torch.no_grad()
 def attention_error(student: EGMLAForCausalLM, layer_idx: int, inputs: LayerInputs, blocks: torch.Tensor) -> float:
-    """|student attention - source attention|^2 of one layer on the source's inputs: what decides between the
-    fitted gate and the identity (the K/V error the fit lowers weighs every channel alike)."""
+    """|student attention - source attention|^2 of one layer on the source's inputs (its first ERROR_BLOCKS
+    blocks): what decides between the fitted gate and the identity (the K/V error the fit lowers weighs every
+    channel alike)."""
+    inputs, blocks = LayerInputs(*(tensor[:ERROR_BLOCKS] for tensor in inputs)), blocks[:ERROR_BLOCKS]
     config = student.config
     table = student.model.gate_embeddings[layer_idx // config.gate_layers_per_table]
     (gate_rows,) = look_up_gate_rows(torch.nn.ModuleList([table]), blocks)

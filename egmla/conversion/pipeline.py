@@ -163,10 +163,11 @@ def run_conversion(job: ConversionJob) -> dict:
         add_scores(scores, score_documents({"layer-wise": student}, text))
     finetune_summary = None
     if job.finetune is not None:
-        result = finetune(student, teacher, text.recovery, recovery_settings(job.finetune, text), text.held_out)
+        settings = recovery_settings(job.finetune, text)
+        result = finetune(student, teacher, text.recovery, settings, text.held_out)
         student = result.model
         add_scores(scores, score_documents({"fine-tuned": student}, text))
-        finetune_summary = {**result_summary(result), **settings_summary(job.finetune)}
+        finetune_summary = {**result_summary(result), **settings_summary(settings)}
 
     report = {
         "source": str(job.source),
@@ -242,7 +243,8 @@ def run_finetune(job: FinetuneJob) -> dict:
     teacher, tokenizer = load_llama(job.teacher), load_tokenizer(job.teacher)
     text = prepare_text(teacher, tokenizer, job.text)
     scores = score_documents({"before": student}, text)
-    result = finetune(student, teacher, text.recovery, recovery_settings(job.settings, text), text.held_out)
+    settings = recovery_settings(job.settings, text)
+    result = finetune(student, teacher, text.recovery, settings, text.held_out)
     add_scores(scores, score_documents({"after": result.model}, text))
     summary = {
         "student": job.student,
@@ -250,7 +252,7 @@ def run_finetune(job: FinetuneJob) -> dict:
         **text.description,
         **scores,
         **result_summary(result),
-        "settings": settings_summary(job.settings),
+        "settings": settings_summary(settings),
     }
     state = PartialState()  # under `accelerate launch`, every process trained the same model: one writes it
     if state.is_main_process:

@@ -153,7 +153,7 @@ def kv_step(module: torch.nn.Module, call, mask: torch.Tensor, backend: str) -> 
 
 def run_step(module: torch.nn.Module, call, mask: torch.Tensor, backend: str) -> torch.Tensor:
     """One decode step of an `EGMLAAttention` through `backend`: [B, S, H, dv]."""
-    if module.gate_position == "kv" or module.rope_mode == "exact":
+    if not module.absorbs:
         return kv_step(module, call, mask, backend)
     # Gate off or on the latent, decoupled rope: the absorbed MQA; fold W^{UK} into the query.
     latent, rope_key = call.latent[:, 0], call.rope_key[:, 0]

@@ -53,8 +53,11 @@ def decode_latent(inputs: LatentDecodeInputs, scaling: float) -> torch.Tensor:
     """The absorbed MQA: every head attends over the shared [latent ; rope key] and reads back the latent
     (`interface.LatentDecodeInputs` gives the shapes). Returns the attended latent [B, H, S, r]."""
     query_latent, query_rope, latent, rope_key, mask = inputs
-    scores = torch.matmul(query_latent, latent[:, None].transpose(2, 3))
-    scores = scores + torch.matmul(query_rope, rope_key[:, None].transpose(2, 3))  # [B, H, S, T]
+    batch_size, heads, query_length, _ = query_latent.shape
+    # One KV head: the query heads fold into the rows of batched products over [B, H*S, .], no copy per head.
+    scores = torch.bmm(query_latent.reshape(batch_size, heads * query_length, -1), latent.transpose(1, 2))
+    scores = scores + torch.bmm(query_rope.reshape(batch_size, heads * query_length, -1), rope_key.transpose(1, 2))
+    scores = scores.view(batch_size, heads, query_length, -1)  # [B, H, S, T]
     scores = (scores.float() * scaling).masked_fill(~mask[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(latent.dtype)
-    return torch.matmul(probs, latent[:, None])
+    return torch.bmm(probs.view(batch_size, heads * query_length, -1), latent).view(batch_size, heads, query_length, -1)
