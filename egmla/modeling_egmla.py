@@ -249,7 +249,8 @@ class EGMLALatentCacheLayer(DynamicLayer):
         its own token instead of copying the whole cache (at most GROWTH_CHUNK - 1 positions stay unused)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        length, total = self.get_seq_length(), self.get_seq_length() + key_states.shape[-2]
+        length = self.get_seq_length()
+        total = length + key_states.shape[-2]
         if not self.holds_views(key_states, total):
             capacity = math.ceil(total / self.GROWTH_CHUNK) * self.GROWTH_CHUNK
             self.storage = tuple(

@@ -276,6 +276,12 @@ def test_out_of_range_token_ids_raise_before_indexing():
         model(torch.tensor([[5, 128]]))
     with pytest.raises(ValueError, match="vocab_size"):
         model(torch.tensor([[-1, 5]]))
+    cache = EGMLACache(model.config)
+    model(torch.tensor([[5, 6]]), cache=cache)
+    with pytest.raises(ValueError, match="vocab_size=128"):  # a decode step: CPU ids are checked at no cost
+        model(torch.tensor([[300]]), cache=cache)
+    with pytest.raises(ValueError, match="vocab_size=128"):  # a prompt: once per generate call
+        model.generate(torch.tensor([[5, 130]]), max_new_tokens=2)
 
 
 def test_gate_needs_token_ids():

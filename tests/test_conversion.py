@@ -514,7 +514,7 @@ def test_the_fitted_gate_lowers_held_out_perplexity_on_stories260k(stories):
     statistics = calibrate(teacher, calibration)
     identity, fitted = (convert_llama_to_egmla(teacher, options, statistics) for _ in range(2))
     rows = fit_gate(fitted, teacher, calibration, statistics, options, shrinkage=16.0)
-    assert all(row["fitted"] for row in rows)
+    assert sum(row["fitted"] for row in rows) >= 3  # of 5 tables: where the attention error falls
     assert perplexity(fitted, stories["held_out"]) < 0.995 * perplexity(identity, stories["held_out"])
 
 

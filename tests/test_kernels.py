@@ -133,6 +133,16 @@ def test_unwritten_outputs_fail_and_splits_merge(split_size):
 
 
 @pytest.mark.parametrize("gate_position", ["kv", "latent"])
+def test_compiled_path_in_bf16_equals_the_fp32_reference(gate_position):
+    module = attention_module(gate_position, 2, 10, "rms", torch.bfloat16)
+    call, mask = decode_step(module, 2, 37, 1, 3, torch.bfloat16)
+    expected = reference(module.float(), in_float32(call), mask)
+    output = kernels.fused_decode(module.to(torch.bfloat16), call, mask[:, None], "compiled")
+    assert output is not None and output.dtype == torch.bfloat16, dispatch._compile_failed
+    assert relative_error(output, expected) <= 1e-2
+
+
+@pytest.mark.parametrize("gate_position", ["kv", "latent"])
 def test_compiled_path_equals_the_reference(gate_position):
     module = attention_module(gate_position, 2, 10, "rms")
     for key_length in (9, 33):  # dynamic shapes: a growing context must not need a new graph per step
