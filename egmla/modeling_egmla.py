@@ -247,6 +247,9 @@ class EGMLALatentCacheLayer(DynamicLayer):
         """Appends the new latents [B, 1, S, r] and rope keys [B, 1, S, Hr*dr]; `keys`/`values` are views of the
         first T positions of a storage that grows GROWTH_CHUNK positions at a time, so that a decode step writes
         its own token instead of copying the whole cache (at most GROWTH_CHUNK - 1 positions stay unused)."""
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            self.storage = None  # autograd keeps the earlier views for backward: writing into them would break it
+            return super().update(key_states, value_states, *args, **kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
@@ -293,6 +296,10 @@ class EGMLALatentCacheLayer(DynamicLayer):
         super().reset()
         self.token_ids = self.positions = self.storage = None
 
+    def offload(self) -> None:
+        self.storage = None  # else the whole storage would stay on the accelerator
+        super().offload()
+
     def crop(self, max_length: int) -> None:
         super().crop(max_length)
         if self.is_initialized:  # keep as many tokens as the latent holds now
@@ -302,14 +309,17 @@ class EGMLALatentCacheLayer(DynamicLayer):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self.map_per_token(lambda values: values.index_select(0, beam_idx.to(values.device)))
+        self.storage = None  # `keys` and `values` are new tensors now: the next update allocates anew
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         self.map_per_token(lambda values: values.repeat_interleave(repeats, dim=0))
+        self.storage = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         self.map_per_token(lambda values: values[indices, ...])
+        self.storage = None
 
 
 class EGMLAStaticCacheLayer(StaticLayer):
@@ -757,7 +767,10 @@ class EGMLAAttention(nn.Module):
             latent, rope_key = cache.update(latent, rope_key, self.layer_idx)  # [B, 1, T, r], [B, 1, T, Hr*dr]
 
         # By shape, not by the cache's length (a tensor in a static cache: comparing it would sync and break graphs).
-        if cache is not None and latent.shape[2] > seq_length and not self.training:
+        # Several new tokens without a mask are a prompt at offset 0 (a static cache's unwritten slots follow it):
+        # SDPA's top-left causal mask over the expanded heads is exact there, the decode paths' bottom-right is not.
+        decoding = latent.shape[2] > seq_length and (seq_length == 1 or attention_mask is not None)
+        if cache is not None and decoding and not self.training:
             attn_output, attn_weights = self.decode_attention(
                 q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, attention_mask, **kwargs
             )

@@ -408,6 +408,40 @@ def test_static_cache_generates_the_dynamic_caches_tokens(mode):
         assert torch.equal(*runs), settings
 
 
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_an_unpadded_prompt_into_a_static_cache_gives_the_uncached_logits(mode, attn_implementation):
+    """No mask, several tokens: a prompt at offset 0, the static cache's unwritten slots after it must stay unseen."""
+    from transformers import StaticCache
+
+    model = tiny_model(gate_std=0.3, **MODES[mode])
+    model.set_attn_implementation(attn_implementation)
+    input_ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        reference = model(input_ids).logits
+        cached = incremental_logits(
+            model, input_ids, prefill=5, cache=StaticCache(config=model.config, max_cache_len=16)
+        )
+        expected = model.generate(input_ids, max_new_tokens=5, do_sample=False)
+        static = model.generate(input_ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
+    torch.testing.assert_close(reference, cached, rtol=0, atol=1e-5)
+    assert torch.equal(static, expected)
+
+
+def test_gradients_flow_through_cached_decode_steps():
+    """Training through a cache (prefill, then steps): the chunked storage is written in place, so under autograd
+    the cache concatenates instead."""
+    for mode in ("mla-absorbed", "gate-kv"):
+        model = tiny_model(**MODES[mode])
+        cache = EGMLACache(model.config)
+        input_ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(9))
+        logits = [model(input_ids[:, :4], cache=cache).logits[:, -1]]
+        for step in (4, 5):
+            logits.append(model(input_ids[:, step : step + 1], cache=cache).logits[:, -1])
+        torch.stack(logits).sum().backward()
+        assert all(p.grad is not None for p in model.model.layers[0].self_attn.kv_b_proj.parameters()), mode
+
+
 def test_static_cache_holds_the_arithmetic_for_its_preallocated_length():
     from transformers import StaticCache
 

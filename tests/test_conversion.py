@@ -496,6 +496,10 @@ def test_the_fitted_gate_lowers_the_errors_it_fits_and_leaves_unseen_tokens_at_t
             assert table.weight[60:].count_nonzero() == 0 and table.weight[3:60].count_nonzero() > 0
         else:  # kept as converted: W^{UE} zero
             assert student.model.layers[row["layers"][0]].self_attn.gate_embedding_proj.weight.count_nonzero() == 0
+    few = torch.randint(3, 7, (16, 32), generator=torch.Generator().manual_seed(1))  # 4 distinct tokens < width 8
+    student = convert_llama_to_egmla(teacher, options, statistics)
+    assert len(fit_gate(student, teacher, few, statistics, options, shrinkage=16.0)) == 2
+
     latent = ConversionOptions(kv_lora_rank=12, rope_mode=rope_mode, gate_embedding_dim=8, gate_position="latent")
     student = convert_llama_to_egmla(teacher, latent, statistics)
     before = copy.deepcopy(student.state_dict())

@@ -165,7 +165,7 @@ def set_table(student: EGMLAForCausalLM, layers: list[tuple], blocks: torch.Tens
     saved = [table.weight.clone()] + [projection.weight.clone() for projection in projections]
     before = sum(attention_error(student, layer_idx, inputs, blocks) for layer_idx, inputs, _ in layers)
     table.weight.zero_()  # tokens the calibration never saw: the identity gate
-    table.weight[fit.tokens.to(table.weight.device)] = table_rows.to(table.weight)
+    table.weight[fit.tokens.to(table.weight.device), : table_rows.shape[1]] = table_rows.to(table.weight)
     for projection, layer_weight in zip(projections, weight.split(widths, dim=0), strict=True):
         projection.weight.zero_()
         projection.weight[:, : layer_weight.shape[1]] = layer_weight.to(projection.weight)
