@@ -182,8 +182,7 @@ class EGMLAGateProjection(nn.Linear):
     """W^{UE}: gate embedding -> gate. It starts at zero, so a fresh gate 1 + W^{UE} e is the identity."""
 
 
-# Cached positions a re-expanding decode step expands at a time: [B, 128, H*(dk+dv)] stays in a CPU core's cache
-# (128 measured fastest of 128, 256 and 512 at the paper's width).
+# Cached positions a re-expanding decode step expands at a time: [B, 128, H*(dk+dv)] stays in a CPU core's cache.
 DECODE_BLOCK = 128
 
 # Above this share of distinct tokens in the context, computing the gate per distinct token and gathering it per
@@ -655,8 +654,8 @@ class EGMLAAttention(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         """The re-expansion decode, DECODE_BLOCK cached positions at a time with an online softmax (flash-decoding
         in PyTorch): each block's expanded K/V is used while it is in fast memory, instead of the whole context
-        expanded into main memory and read back pass after pass (3.4x faster at batch 8, context 2048 on 2 CPU
-        cores). New queries [B, H, S, .] over the cache; returns [B, S, H, dv]."""
+        expanded into main memory and read back pass after pass (`egmla bench decode` measures it). New queries
+        [B, H, S, .] over the cache; returns [B, S, H, dv]."""
         batch_size, heads, query_length, _ = q_nope.shape
         key_length = latent.shape[2]
         query = torch.cat([q_nope, q_rope], dim=-1)
