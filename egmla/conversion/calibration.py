@@ -2,6 +2,7 @@
 attention inputs and the mean 2-norm of every rotary pair of the queries and keys)."""
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -105,3 +106,24 @@ def layer_statistics(model: LlamaForCausalLM, calibration: Calibration) -> list[
             f"{model.config.num_hidden_layers}."
         )
     return list(calibration)
+
+
+class SourceLayer(NamedTuple):
+    """One layer of the source on calibration blocks, [N, S, D] each."""
+
+    hidden: torch.Tensor  # the residual stream entering the layer
+    normed: torch.Tensor  # its normed attention input
+    attention: torch.Tensor  # the attention block's output on it
+
+
+@torch.no_grad()  # on a generator, torch switches grad off around each step only: the caller's mode is its own
+def source_layers(model: LlamaForCausalLM, blocks: torch.Tensor):
+    """Yields the source's `SourceLayer` of every layer, first to last, on token blocks [N, S]."""
+    hidden = model.model.embed_tokens(blocks)
+    rotary = model.model.rotary_emb(hidden, torch.arange(blocks.shape[1])[None])
+    for layer in model.model.layers:
+        normed = layer.input_layernorm(hidden)
+        attention = layer.self_attn(normed, rotary, None)[0]
+        yield SourceLayer(hidden, normed, attention)
+        hidden = hidden + attention
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

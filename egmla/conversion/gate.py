@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
-from .calibration import LayerStatistics
+from .calibration import LayerStatistics, SourceLayer, source_layers
 from .convert import ConversionOptions, resolve_budget, stacked_rows
 
 ERROR_BLOCKS = 16  # calibration blocks the attention error is compared on (the least squares uses them all)
@@ -39,33 +39,12 @@ class GateStatistics(NamedTuple):
     target_energy: float  # sum |y|^2, so that errors are absolute
 
 
-class LayerInputs(NamedTuple):
-    """One layer's calibration data, [N, S, D] each."""
-
-    normed: torch.Tensor  # the source's normed attention input
-    attention: torch.Tensor  # the source's attention output on it
-
-
-def layer_inputs(teacher: LlamaForCausalLM, blocks: torch.Tensor):
-    """Yields every layer's `LayerInputs` on the source's residual stream, first to last, on blocks [N, S]."""
-    positions = torch.arange(blocks.shape[1])[None]
-    with torch.no_grad():
-        hidden = teacher.model.embed_tokens(blocks)
-        rotary = teacher.model.rotary_emb(hidden, positions)
-        for layer in teacher.model.layers:
-            normed = layer.input_layernorm(hidden)
-            attention = layer.self_attn(normed, rotary, None)[0]
-            yield LayerInputs(normed, attention)
-            hidden = hidden + attention
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-
-
 @torch.no_grad()
-def attention_error(student: EGMLAForCausalLM, layer_idx: int, inputs: LayerInputs, blocks: torch.Tensor) -> float:
+def attention_error(student: EGMLAForCausalLM, layer_idx: int, inputs: SourceLayer, blocks: torch.Tensor) -> float:
     """|student attention - source attention|^2 of one layer on the source's inputs (its first ERROR_BLOCKS
     blocks): what decides between the fitted gate and the identity (the K/V error the fit lowers weighs every
     channel alike)."""
-    inputs, blocks = LayerInputs(*(tensor[:ERROR_BLOCKS] for tensor in inputs)), blocks[:ERROR_BLOCKS]
+    inputs, blocks = SourceLayer(*(tensor[:ERROR_BLOCKS] for tensor in inputs)), blocks[:ERROR_BLOCKS]
     config = student.config
     table = student.model.gate_embeddings[layer_idx // config.gate_layers_per_table]
     (gate_rows,) = look_up_gate_rows(torch.nn.ModuleList([table]), blocks)
@@ -125,7 +104,7 @@ def fit_gate(
     tokens, index = torch.unique(blocks.flatten(), return_inverse=True)
     counts = torch.bincount(index, minlength=len(tokens))
     pending, rows = [], []
-    layers = zip(teacher.model.layers, layer_inputs(teacher, blocks), statistics, strict=True)
+    layers = zip(teacher.model.layers, source_layers(teacher, blocks), statistics, strict=True)
     for layer_idx, (layer, inputs, layer_stats) in enumerate(
         tqdm(layers, desc="fitting the gate", unit="layer", total=config.num_hidden_layers, leave=False)
     ):

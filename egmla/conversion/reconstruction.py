@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
+from .calibration import source_layers
 
 GATE_INITS = ("least_squares", "identity")
 
@@ -124,13 +125,11 @@ def fit_layer(model, layer_idx: int, streams: LayerStreams, blocks, rotary, sett
 
 
 @torch.no_grad()
-def next_streams(teacher, student, layer_idx: int, streams: LayerStreams, blocks, rotaries) -> tuple:
-    """Both residual streams after layer `layer_idx` (attention and MLP)."""
-    teacher_layer, student_layer = teacher.model.layers[layer_idx], student.model.layers[layer_idx]
-    teacher_out = streams.target + teacher_layer.mlp(teacher_layer.post_attention_layernorm(streams.target))
-    after = student_attention(student, layer_idx, streams.student_in, blocks, rotaries[1])
-    student_out = after + student_layer.mlp(student_layer.post_attention_layernorm(after))
-    return student_out, teacher_out
+def next_student_stream(student, layer_idx: int, streams: LayerStreams, blocks, rotary) -> torch.Tensor:
+    """The student's residual stream after layer `layer_idx` (attention and MLP)."""
+    layer = student.model.layers[layer_idx]
+    after = student_attention(student, layer_idx, streams.student_in, blocks, rotary)
+    return after + layer.mlp(layer.post_attention_layernorm(after))
 
 
 def reconstruct_layers(
@@ -143,20 +142,18 @@ def reconstruct_layers(
     student.eval()
     for parameter in student.parameters():
         parameter.requires_grad_(False)
-    positions = torch.arange(blocks.shape[1])[None]
     with torch.no_grad():
-        student_in, teacher_in = student.model.embed_tokens(blocks), teacher.model.embed_tokens(blocks)
-        rotaries = teacher.model.rotary_emb(teacher_in, positions), student.model.rotary_emb(student_in, positions)
+        student_in = student.model.embed_tokens(blocks)
+        rotary = student.model.rotary_emb(student_in, torch.arange(blocks.shape[1])[None])
     rows = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
-        for layer_idx in tqdm(range(student.config.num_hidden_layers), desc="fitting layers", unit="layer"):
-            teacher_layer = teacher.model.layers[layer_idx]
-            with torch.no_grad():
-                attention, _ = teacher_layer.self_attn(teacher_layer.input_layernorm(teacher_in), rotaries[0], None)
-            streams = LayerStreams(student_in, teacher_in, teacher_in + attention)
-            rows.append(fit_layer(student, layer_idx, streams, blocks, rotaries[1], settings))
-            student_in, teacher_in = next_streams(teacher, student, layer_idx, streams, blocks, rotaries)
+        layers = tqdm(source_layers(teacher, blocks), desc="fitting layers", unit="layer",
+                      total=student.config.num_hidden_layers)  # fmt: skip
+        for layer_idx, source in enumerate(layers):
+            streams = LayerStreams(student_in, source.hidden, source.hidden + source.attention)
+            rows.append(fit_layer(student, layer_idx, streams, blocks, rotary, settings))
+            student_in = next_student_stream(student, layer_idx, streams, blocks, rotary)
     for parameter in student.parameters():
         parameter.requires_grad_(True)
     return rows
