@@ -1,0 +1,160 @@
+"""A PyTorch MLA decode for the CPU, for the latent widths vLLM's C++ kernel lacks (it takes only 512 + 64).
+
+vLLM's CPU MLA backend keeps the shared scaffolding (the expanded-MHA prefill, W^{UK} absorbed into the query,
+W^{UV} applied after the decode); this subclass only replaces the decode over the paged cache, vectorized over the
+batch, and lets the metadata take any head size. On a GPU, vLLM's own MLA backends (TRITON_MLA) take any width.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.model_executor.layers.attention import MLAAttention
+from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, MLACommonMetadataBuilder
+from vllm.platforms import current_platform
+from vllm.v1.attention.backend import AttentionLayer, MultipleOf
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+
+# The one latent + rope width vLLM's CPU kernel (and MLA metadata) is built for.
+NATIVE_CPU_HEAD_SIZE = 576
+
+
+def latent_backend(head_size: int, rebuilds: bool = False) -> type | None:
+    """The attention backend for a cached row of `head_size` values: ours where the keys are rebuilt (it only
+    writes the cache there) and on a CPU where vLLM has no kernel for that width, else None (vLLM chooses)."""
+    if rebuilds or (current_platform.is_cpu() and head_size != NATIVE_CPU_HEAD_SIZE):
+        return EGMLACPUMLABackend
+    return None
+
+
+@dataclass
+class EGMLAMLAMetadata(MLACommonMetadata):
+    # The whole batch as the scheduler laid it out, for the gate on K/V (`GatedKVAttention`), which attends every
+    # new token over its request's cache in one pass: [R, blocks], [R], [R + 1].
+    request_block_table: torch.Tensor | None = None
+    request_seq_lens: torch.Tensor | None = None
+    request_query_start_loc: torch.Tensor | None = None
+
+    def __post_init__(self):  # vLLM's check lists the head sizes its kernels take; the decodes here take any
+        pass
+
+
+class EGMLAMLAMetadataBuilder(MLACommonMetadataBuilder[EGMLAMLAMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **kwargs):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, metadata_cls=EGMLAMLAMetadata, **kwargs)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> EGMLAMLAMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        metadata.request_block_table = common_attn_metadata.block_table_tensor
+        metadata.request_seq_lens = common_attn_metadata.seq_lens
+        metadata.request_query_start_loc = common_attn_metadata.query_start_loc
+        return metadata
+
+
+class EGMLACPUMLABackend(CPUMLABackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return block_size is None or block_size % 16 == 0
+
+    @staticmethod
+    def get_builder_cls() -> type[EGMLAMLAMetadataBuilder]:
+        return EGMLAMLAMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type["EGMLACPUMLAImpl"]:
+        return EGMLACPUMLAImpl
+
+
+class EGMLACPUMLAImpl(CPUMLAImpl):
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: MLACommonMetadata,
+        layer: AttentionLayer,
+    ) -> tuple[torch.Tensor, None]:
+        """One new token per request: q [B, H, r + dr] (W^{UK} absorbed) over each request's cached rows
+        [latent ; rope key], gathered from the paged cache by its block table. Returns the attended latent
+        [B, H, r]."""
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        decode = attn_metadata.decode
+        block_size, head_size = kv_c_and_k_pe_cache.shape[-2], kv_c_and_k_pe_cache.shape[-1]
+        cache = kv_c_and_k_pe_cache.view(-1, block_size, head_size)
+        seq_lens = decode.seq_lens.to(torch.long)
+        blocks = -(-int(seq_lens.max()) // block_size)  # on the CPU: no device sync
+        rows = cache[decode.block_table[:, :blocks].to(torch.long)].flatten(1, 2)  # [B, T, r + dr]
+        scores = torch.bmm(q.to(rows.dtype), rows.transpose(1, 2)).float() * self.scale  # [B, H, T]
+        positions = torch.arange(rows.shape[1], device=rows.device)
+        scores = scores.masked_fill((positions[None] >= seq_lens[:, None])[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(rows.dtype)
+        return torch.bmm(probs, rows[..., : self.kv_lora_rank]).to(q.dtype), None
+
+
+def padded_queries(query: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's new tokens [N, H, d] laid out per request [R, S, H, d] (zeros past a request's own), with each
+    token's request and place in it [N]."""
+    query_lens = starts[1:] - starts[:-1]
+    request = torch.repeat_interleave(torch.arange(len(query_lens), device=query.device), query_lens)
+    place = torch.arange(query.shape[0], device=query.device) - starts[request]
+    padded = query.new_zeros(len(query_lens), int(query_lens.max()), *query.shape[1:])
+    padded[request, place] = query
+    return padded, request, place
+
+
+class RebuildingAttention(MLAAttention):
+    """vLLM's MLA layer for what the absorbed decode cannot express, the gate on K/V and the RoPE-exact latent: the
+    paged cache row is `[latent ; tail]` (the tail: the rope keys, and the token id as base-256 digits, exact in any
+    float dtype, where the gate on K/V needs it), and every step rebuilds each request's keys and values from its
+    whole cache (`rebuild`, the model's: rows [R, T, width] -> keys [R, T, H, dq], values [R, T, H, dv]).
+
+    The cache write, its spec (one row per token per layer) and the block tables are vLLM's; only the attention
+    (`forward_impl`) is replaced: one pass for prefill and decode alike, every new token over its request's cache.
+    """
+
+    def __init__(self, rebuild, **kwargs):
+        super().__init__(**kwargs)
+        self.rebuild = rebuild
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """Nothing to absorb: W^{UKV} stays whole for `rebuild` (MLAAttention would split it into W^{UK}/W^{UV})."""
+
+    def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, **kwargs) -> torch.Tensor:
+        if attn_metadata is None:  # the profile run
+            return output.fill_(0)
+        tokens = attn_metadata.num_actual_tokens
+        attended = self.attend(q[:tokens], kv_cache, attn_metadata)  # [N, H, dv]
+        output[:tokens] = attended.flatten(1).to(output.dtype)
+        return output
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: EGMLAMLAMetadata) -> torch.Tensor:
+        """query [N, H, dq], rotated, over each request's cache; causal within the new tokens."""
+        seq_lens = metadata.request_seq_lens.to(torch.long)
+        starts = metadata.request_query_start_loc.to(torch.long)
+        block_size, width = kv_cache.shape[-2], kv_cache.shape[-1]
+        length = int(seq_lens.max())
+        blocks = metadata.request_block_table[:, : -(-length // block_size)].to(torch.long)
+        rows = kv_cache.view(-1, block_size, width)[blocks].flatten(1, 2)[:, :length]  # [R, T, width]
+        key, value = self.rebuild(rows)  # unwritten slots hold anything: masked below
+        padded, request, place = padded_queries(query, starts)  # [R, S, H, dq]
+        query_lens = (starts[1:] - starts[:-1])[:, None, None]
+        positions = torch.arange(length, device=rows.device)[None, None]
+        new_positions = (
+            seq_lens[:, None, None] - query_lens + torch.arange(padded.shape[1], device=rows.device)[None, :, None]
+        )
+        mask = (positions <= new_positions) & (positions < seq_lens[:, None, None])  # [R, S, T]
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            padded.transpose(1, 2).to(key.dtype), key.transpose(1, 2), value.transpose(1, 2),
+            attn_mask=mask[:, None], scale=self.scale,
+        )  # fmt: skip
+        return attended.transpose(1, 2)[request, place]

