@@ -43,18 +43,24 @@ def main() -> None:
     width = heads * (config.qk_nope_head_dim + config.v_head_dim)  # the re-expanded K/V per position
     positions, distinct = batch * context, min(args.distinct or batch * context, batch * context)
     attention = model.model.layers[0].self_attn
-    latent, rows = torch.randn(positions, rank), torch.randn(distinct, gate_dim)
+    latent, rows = torch.randn(batch, context, rank), torch.randn(distinct, gate_dim)
     index = torch.randint(0, distinct, (positions,))
-    expanded = torch.randn(positions, width)
-    query = torch.randn(batch, heads, 1, config.qk_head_dim)
-    key = torch.randn(batch, heads, context, config.qk_head_dim)
-    value = torch.randn(batch, heads, context, config.qk_head_dim)  # zero-padded to the key width, as SDPA's
+    kv_weight = attention.kv_b_weight(like=latent)  # [H, dn+dv, r]
+    expanded = torch.randn(batch, heads, context, width // heads)  # per head, as the blocked decode makes it
+    gate_values = torch.randn(distinct, width)
+    query = torch.randn(batch, heads, 1, config.qk_nope_head_dim)
+    probs = torch.randn(batch, heads, 1, context)
     parts = {
-        "expand the latent (W^{UKV})": lambda: attention.kv_b_proj(latent),
+        "expand the latent (W^{UKV}, per head)": lambda: torch.einsum("btr,hcr->bhtc", latent, kv_weight),
         "gate product (W^{UE} on the rows)": lambda: attention.gate_embedding_proj(rows),
-        "gate gather and multiply": lambda: expanded * (1 + expanded[:distinct])[index],
-        "gate norm": lambda: attention.gate_norm(expanded.view(positions, heads, -1)),
-        "attention (SDPA)": lambda: torch.nn.functional.scaled_dot_product_attention(query, key, value),
+        "gate gather and multiply": lambda: (
+            expanded * gate_values.index_select(0, index).view(batch, context, heads, -1).transpose(1, 2)
+        ),
+        "gate norm scale (one pass; its weight folded)": lambda: attention.gate_norm_scale(expanded),
+        "attention products (q.k, p.v)": lambda: (
+            torch.matmul(query, expanded[..., : config.qk_nope_head_dim].mT),
+            torch.matmul(probs, expanded[..., config.qk_nope_head_dim :]),
+        ),
     }
     parts_ms = {name: layers * median_ms(function) for name, function in parts.items()}
     state = decode_state(model, "dynamic", batch, context)

@@ -42,6 +42,8 @@ class EGMLARMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
+        if input_dtype == self.weight.dtype == torch.float32:  # the same arithmetic in one fused pass
+            return nn.functional.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
@@ -208,7 +210,8 @@ def gate_block(gate: torch.Tensor, gate_rows: EGMLAGateRows, start: int, end: in
     """The gate [B, end - start, W] of positions start..end from its values per row `gate` [U, W]."""
     if gate_rows.index is None:
         return gate.view(gate_rows.batch_size, gate_rows.length, -1)[:, start:end]
-    return gate[gate_rows.index[:, start:end]]
+    index = gate_rows.index[:, start:end]
+    return gate.index_select(0, index.flatten()).view(*index.shape, -1)  # faster than gate[index] on a CPU
 
 
 def look_up_gate_rows(tables: nn.ModuleList, token_ids: torch.Tensor) -> list[EGMLAGateRows]:
@@ -614,33 +617,19 @@ class EGMLAAttention(nn.Module):
 
         In "exact" mode the rope dims come from the latent too, rotated by `key_rotary` (cos, sin of every cached
         token's position, [B, 1, T, dr])."""
-        gate = None
-        if self.gate_position == "kv" and self.gate_embedding_proj is not None:
-            gate = gate_block(1 + self.gate_embedding_proj(gate_rows.rows), gate_rows, 0, latent.shape[2])
-        return self.expand_block(latent, rope_key, gate, key_rotary)
-
-    def expand_block(
-        self,
-        latent: torch.Tensor,
-        rope_key: torch.Tensor,
-        gate: torch.Tensor | None,
-        key_rotary: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`expand_kv` of a block of positions whose gate [B, t, H*(dk+dv)] (gate on K/V) is already gathered."""
         batch_size, _, seq_length, _ = latent.shape
-        kv = self.kv_b_proj(latent[:, 0])  # [B, t, H*(dk+dv)], dk = rebuilt key dims
-        if gate is not None:
-            kv = kv * gate
+        kv = self.kv_b_proj(latent[:, 0])  # [B, T, H*(dk+dv)], dk = rebuilt key dims; called: adapters act
+        if self.gate_position == "kv" and self.gate_embedding_proj is not None:
+            kv = kv * gate_block(1 + self.gate_embedding_proj(gate_rows.rows), gate_rows, 0, seq_length)
         kv = kv.view(batch_size, seq_length, self.num_heads, self.rebuilt_key_dim + self.v_head_dim)
         if self.gate_position == "kv" and self.gate_norm is not None:
             kv = self.gate_norm(kv)
-        k_rebuilt, value = kv.transpose(1, 2).split([self.rebuilt_key_dim, self.v_head_dim], dim=-1)
+        key, value = kv.transpose(1, 2).split([self.rebuilt_key_dim, self.v_head_dim], dim=-1)
         if self.rope_mode == "exact":
-            k_nope, k_rope = k_rebuilt.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-            return torch.cat([k_nope, apply_rotary(k_rope, *key_rotary)], dim=-1), value
+            return self.rotate_key(key, key_rotary), value
         k_rope = rope_key.view(batch_size, seq_length, self.rope_key_heads, self.qk_rope_head_dim).transpose(1, 2)
-        k_rope = k_rope.repeat_interleave(self.num_heads // self.rope_key_heads, dim=1)  # [B, H, t, dr]
-        return torch.cat([k_rebuilt, k_rope], dim=-1), value
+        k_rope = k_rope.repeat_interleave(self.num_heads // self.rope_key_heads, dim=1)  # [B, H, T, dr]
+        return torch.cat([key, k_rope], dim=-1), value
 
     def blocked_attention(
         self,
@@ -658,31 +647,97 @@ class EGMLAAttention(nn.Module):
         [B, H, S, .] over the cache; returns [B, S, H, dv]."""
         batch_size, heads, query_length, _ = q_nope.shape
         key_length = latent.shape[2]
-        query = torch.cat([q_nope, q_rope], dim=-1)
-        gate = None
-        if self.gate_position == "kv" and self.gate_embedding_proj is not None:
-            gate = 1 + self.gate_embedding_proj(gate_rows.rows)  # [U, H*(dk+dv)]: once per distinct token
+        gate = None  # [U, H*(dk+dv)], once per distinct token; with a row per position, computed block by block
+        if self.gate_position == "kv" and self.gate_embedding_proj is not None and gate_rows.index is not None:
+            gate = 1 + self.gate_embedding_proj(gate_rows.rows)
+        rope_scores = None  # decoupled rope keys are cached as used: their scores [B, H, S, T] in one product
+        if self.rope_mode == "decoupled":
+            rope_scores = self.rope_scores(q_rope, rope_key)
+        fold_norm = self.folds_gate_norm(decoupled=rope_scores is not None)
+        if fold_norm:
+            key_weight, value_weight = self.gate_norm.weight.split([self.rebuilt_key_dim, self.v_head_dim])
+            q_nope = q_nope * key_weight
         if attention_mask is None and query_length > 1:
             attention_mask = causal_mask(query_length, key_length, latent.device)
-        running_max = query.new_full((batch_size, heads, query_length, 1), float("-inf"), dtype=torch.float32)
+        running_max = q_nope.new_full((batch_size, heads, query_length, 1), float("-inf"), dtype=torch.float32)
         running_sum = torch.zeros_like(running_max)
-        output = query.new_zeros(batch_size, heads, query_length, self.v_head_dim, dtype=torch.float32)
+        output = q_nope.new_zeros(batch_size, heads, query_length, self.v_head_dim, dtype=torch.float32)
         for start in range(0, key_length, DECODE_BLOCK):
             end = min(start + DECODE_BLOCK, key_length)
-            rotary = tuple(part[:, :, start:end] for part in key_rotary) if key_rotary is not None else None
-            block_gate = gate_block(gate, gate_rows, start, end) if gate is not None else None
-            key, value = self.expand_block(latent[:, :, start:end], rope_key[:, :, start:end], block_gate, rotary)
+            block_gate = self.block_gate(gate, gate_rows, start, end)
+            kv = self.rebuild_block(latent[:, :, start:end], block_gate, normed=not fold_norm)  # [B, H, t, dk+dv]
+            key, value = kv.split([self.rebuilt_key_dim, self.v_head_dim], dim=-1)
+            norm_scale = self.gate_norm_scale(kv).unsqueeze(2) if fold_norm else 1.0  # [B, H, 1, t]
+            if rope_scores is None:  # "exact" rope: the rebuilt rope dims turn with each cached position
+                rotary = tuple(part[:, :, start:end] for part in key_rotary)
+                scores = torch.matmul(torch.cat([q_nope, q_rope], dim=-1), self.rotate_key(key, rotary).mT)
+            else:
+                scores = torch.matmul(q_nope, key.mT) * norm_scale + rope_scores[..., start:end]
             mask = attention_mask[..., start:end] if attention_mask is not None else None
-            scores = mask_scores(torch.matmul(query, key.transpose(2, 3)).float() * self.scaling, mask)
+            scores = mask_scores(scores.float() * self.scaling, mask)
             block_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
             # A row masked out so far keeps -inf as its maximum: its rescale is 1 and its weights 0, not NaN.
             safe_max = block_max.masked_fill(torch.isinf(block_max), 0.0)
             probs = torch.exp(scores - safe_max)
             rescale = torch.exp(running_max - safe_max)
             running_sum = running_sum * rescale + probs.sum(dim=-1, keepdim=True)
-            output = output * rescale + torch.matmul(probs.to(value.dtype), value).float()
+            weights = probs * norm_scale if fold_norm else probs
+            output = output * rescale + torch.matmul(weights.to(value.dtype), value).float()
             running_max = block_max
-        return (output / running_sum).to(query.dtype).transpose(1, 2), None
+        output = output / running_sum
+        if fold_norm:
+            output = output * value_weight
+        return output.to(q_nope.dtype).transpose(1, 2), None
+
+    def folds_gate_norm(self, decoupled: bool) -> bool:
+        """Whether the blocked decode folds the gate norm's weight into the query (keys) and onto the output
+        (values), and its per-position scale into the scores and weights: two passes fewer over each block. Not in
+        "exact" rope mode (the normed keys are turned), nor under an offload hook (it materializes the weight only
+        when the norm is called)."""
+        norm = self.gate_norm
+        return decoupled and self.gate_position == "kv" and norm is not None and not hasattr(norm, "_hf_hook")
+
+    def block_gate(
+        self, gate: torch.Tensor | None, gate_rows: EGMLAGateRows | None, start: int, end: int
+    ) -> torch.Tensor | None:
+        """The gate on K/V [B, t, H*(dk+dv)] of cached positions start..end (None with no gate on K/V)."""
+        if gate is not None:
+            return gate_block(gate, gate_rows, start, end)
+        if self.gate_position != "kv" or self.gate_embedding_proj is None:
+            return None
+        rows = gate_rows.rows.view(gate_rows.batch_size, gate_rows.length, -1)[:, start:end]
+        return 1 + self.gate_embedding_proj(rows)  # made while the block is used: [B*T, H*(dk+dv)] never is
+
+    def rope_scores(self, q_rope: torch.Tensor, rope_key: torch.Tensor) -> torch.Tensor:
+        """q_rope [B, H, S, dr] . rope_key [B, 1, T, Hr*dr] -> [B, H, S, T]: each rope key serves its group of
+        query heads, folded into the rows of one batched product (no copy per head)."""
+        batch_size, heads, query_length, _ = q_rope.shape
+        key_length, group = rope_key.shape[2], heads // self.rope_key_heads
+        q_rope = q_rope.reshape(batch_size * self.rope_key_heads, group * query_length, self.qk_rope_head_dim)
+        k_rope = rope_key[:, 0].view(batch_size, key_length, self.rope_key_heads, self.qk_rope_head_dim)
+        k_rope = k_rope.permute(0, 2, 3, 1).reshape(batch_size * self.rope_key_heads, self.qk_rope_head_dim, -1)
+        return torch.bmm(q_rope, k_rope).view(batch_size, heads, query_length, key_length)
+
+    def rebuild_block(self, latent: torch.Tensor, gate: torch.Tensor | None, normed: bool = True) -> torch.Tensor:
+        """latent [B, 1, t, r] and its gate [B, t, H*(dk+dv)] -> the rebuilt key dims and values [B, H, t, dk+dv],
+        gated (and normed), made per head by one product (no transpose copy of [B, t, H, .] afterwards)."""
+        batch_size, _, seq_length, _ = latent.shape
+        kv = torch.einsum("btr,hcr->bhtc", latent[:, 0], self.kv_b_weight(like=latent))
+        if gate is not None:
+            kv = kv * gate.view(batch_size, seq_length, self.num_heads, -1).transpose(1, 2)
+        if normed and self.gate_position == "kv" and self.gate_norm is not None:
+            kv = self.gate_norm(kv)
+        return kv
+
+    def gate_norm_scale(self, kv: torch.Tensor) -> torch.Tensor:
+        """The gate norm's scale 1 / rms [B, H, t] of each position's gated K/V [B, H, t, dk+dv], in float32."""
+        mean_square = torch.linalg.vector_norm(kv.float(), dim=-1).square() / kv.shape[-1]  # one pass, no kv**2
+        return torch.rsqrt(mean_square + self.gate_norm.variance_epsilon)
+
+    def rotate_key(self, key: torch.Tensor, key_rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """ "exact" rope: the rebuilt keys [B, H, t, dn+dr] with their rope dims turned by cos, sin [B, 1, t, dr]."""
+        k_nope, k_rope = key.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        return torch.cat([k_nope, apply_rotary(k_rope, *key_rotary)], dim=-1)
 
     def kv_b_weight(self, like: torch.Tensor) -> torch.Tensor:
         """W^{UKV} as [H, dk+dv, r] (dk = the key dims rebuilt from the latent)."""
@@ -710,13 +765,7 @@ class EGMLAAttention(nn.Module):
         q_latent = torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk)  # [B, H, S, r]
         # One KV head: the query heads fold into the rows of one batched product, so no head copies the latent.
         scores = torch.bmm(q_latent.reshape(batch_size, heads * query_length, -1), latent.transpose(1, 2))
-        group = heads // self.rope_key_heads
-        q_rope = q_rope.reshape(batch_size * self.rope_key_heads, group * query_length, self.qk_rope_head_dim)
-        k_rope = rope_key[:, 0].view(batch_size, key_length, self.rope_key_heads, self.qk_rope_head_dim)
-        k_rope = k_rope.permute(0, 2, 3, 1).reshape(batch_size * self.rope_key_heads, self.qk_rope_head_dim, -1)
-        scores = scores.view(batch_size, heads, query_length, key_length) + torch.bmm(q_rope, k_rope).view(
-            batch_size, heads, query_length, key_length
-        )  # [B, H, S, T]
+        scores = scores.view(batch_size, heads, query_length, key_length) + self.rope_scores(q_rope, rope_key)
         scores = mask_scores(scores * self.scaling, attention_mask)
         probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
         probs = nn.functional.dropout(probs, p=self.attention_dropout, training=self.training)

@@ -373,16 +373,22 @@ def test_the_absorbed_decode_equals_the_re_expansion_wherever_it_is_chosen(gate_
 
 
 @pytest.mark.parametrize(
-    ("gate_position", "gate_dim", "rope_key_heads", "rope_mode"),
-    [("kv", 10, 2, "decoupled"), ("kv", 10, 1, "exact"), ("latent", 10, 1, "exact"), ("kv", 0, 1, "exact")],
+    ("gate_position", "gate_dim", "rope_key_heads", "rope_mode", "gate_norm"),
+    [
+        ("kv", 10, 2, "decoupled", "rms"),  # the norm folded into the query, scores and output
+        ("kv", 10, 1, "decoupled", "none"),
+        ("kv", 10, 1, "exact", "rms"),
+        ("latent", 10, 1, "exact", "rms"),
+        ("kv", 0, 1, "exact", "rms"),
+    ],
 )
-def test_the_blocked_re_expansion_equals_the_whole_one(gate_position, gate_dim, rope_key_heads, rope_mode):
+def test_the_blocked_re_expansion_equals_the_whole_one(gate_position, gate_dim, rope_key_heads, rope_mode, gate_norm):
     """The default re-expanding decode (`blocked_attention`: DECODE_BLOCK positions at a time, online softmax)
     gives what expanding the whole cache and one softmax give: several blocks and a partial one, left padding,
-    several new tokens, and one new token without a mask."""
+    several new tokens, one new token without a mask, gate rows one per position and one per distinct token."""
     from egmla.modeling_egmla import DECODE_BLOCK
 
-    module = attention_module(gate_position, rope_key_heads, gate_dim, "rms", rope_mode=rope_mode)
+    module = attention_module(gate_position, rope_key_heads, gate_dim, gate_norm, rope_mode=rope_mode)
     rotary_emb = EGMLAForCausalLM(module.config).model.rotary_emb
     for key_length, query_length, padding in ((2 * DECODE_BLOCK + 37, 3, 40), (DECODE_BLOCK + 5, 1, 0)):
         call, mask = decode_step(module, 2, key_length, query_length, padding)
@@ -391,8 +397,14 @@ def test_the_blocked_re_expansion_equals_the_whole_one(gate_position, gate_dim, 
             call = call._replace(rope_key=call.rope_key[..., :0], key_rotary=module.select_rotary(cos, sin))
         additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[:, None]
         masks = [additive, mask[:, None]] + ([None] if padding == 0 else [])
-        args = (call.q_nope, call.q_rope, call.latent, call.rope_key, call.gate_rows, call.key_rotary)
-        expected, _ = module.expanded_attention(*args, additive)
-        for attention_mask in masks:
-            blocked, _ = module.blocked_attention(*args, attention_mask)
-            torch.testing.assert_close(blocked, expected, rtol=1e-5, atol=1e-5)
+        gate_forms = [call.gate_rows]
+        if call.gate_rows is not None:  # 7 distinct tokens: a row each and an index per position
+            rows = torch.randn(7, gate_dim, generator=torch.Generator().manual_seed(7))
+            index = torch.randint(0, 7, (2, key_length), generator=torch.Generator().manual_seed(8))
+            gate_forms.append(EGMLAGateRows(rows, index, 2, key_length))
+        for gate_rows in gate_forms:
+            args = (call.q_nope, call.q_rope, call.latent, call.rope_key, gate_rows, call.key_rotary)
+            expected, _ = module.expanded_attention(*args, additive)
+            for attention_mask in masks:
+                blocked, _ = module.blocked_attention(*args, attention_mask)
+                torch.testing.assert_close(blocked, expected, rtol=1e-5, atol=1e-5)
