@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "integrations" / "vllm" / "tests")]
 from test_vllm_plugin import TOKENIZER, VLLM_ENV, WORKER  # noqa: E402
 
-STORIES260K = ROOT.parent / "shared" / "assets" / "stories260K-hf"
+STORIES260K = ROOT / "tests" / "assets" / "stories260K-hf"
 PADDED_HEAD_DIM = 32
 
 

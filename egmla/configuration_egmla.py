@@ -46,7 +46,8 @@ class EGMLAConfig(PreTrainedConfig):
     r"""
     Configuration of an EG-MLA decoder (`EGMLAModel`, `EGMLAForCausalLM`).
 
-    Defaults are the paper's EG-MLA-kv64 model (`EGMLAConfig.from_preset("paper-egmla-kv64")`).
+    Defaults are the paper's EG-MLA-kv64 model (`EGMLAConfig.from_preset("paper-egmla-kv64")`) without its GPT-2
+    token ids: a config of defaults plus any `vocab_size` is valid (the presets set bos/eos 50256).
 
     Args:
         vocab_size: number of token ids; also the number of rows of every gate table.
@@ -119,8 +120,8 @@ class EGMLAConfig(PreTrainedConfig):
     rms_norm_eps: float = 1e-6
     use_cache: bool = True
     pad_token_id: int | None = None
-    bos_token_id: int | None = 50256
-    eos_token_id: int | list[int] | None = 50256
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
     tie_word_embeddings: bool = False
     rope_parameters: RopeParameters | dict | None = None
     rope_frequency_dim: int | None = None
@@ -282,6 +283,14 @@ class EGMLAConfig(PreTrainedConfig):
                 f"`rope_frequency_indices` must lie in [0, rope_frequency_dim // 2 = {frequency_dim // 2}), "
                 f"got {indices}."
             )
+
+    def to_dict(self) -> dict:
+        """As saved: `layer_types` is left out while it is the default (every layer egmla's), so that tools that
+        read config.json without egmla (AutoTokenizer, vLLM) do not meet a layer type transformers does not know."""
+        output = super().to_dict()
+        if output.get("layer_types") == [EGMLA_LAYER_TYPE] * self.num_hidden_layers:
+            del output["layer_types"]
+        return output
 
     def validate_layer_type(self):
         """Our cache layer type is not one of transformers' built-in ones, so the base check cannot be used."""

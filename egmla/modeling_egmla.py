@@ -159,6 +159,19 @@ class EGMLAGateTable(nn.Embedding):
         # A move to an accelerator: keep the change of dtype, stay in CPU memory.
         return super()._apply(lambda tensor: cpu_memory(tensor.to(dtype=target.dtype)), recurse)
 
+    @torch.no_grad()
+    def resized(self, num_embeddings: int) -> "EGMLAGateTable":
+        """This table with `num_embeddings` rows: the kept rows copied, new rows zero (their gate is the identity)."""
+        weight = self.weight
+        table = EGMLAGateTable(num_embeddings, self.embedding_dim, offload=self.offload, device=weight.device,
+                               dtype=weight.dtype)  # fmt: skip
+        kept = min(num_embeddings, self.num_embeddings)
+        table.weight.zero_()
+        table.weight[:kept] = weight[:kept]
+        table.weight.requires_grad_(weight.requires_grad)
+        table.place_in_cpu_memory()  # offloaded: pinned CPU memory, as the old one
+        return table
+
     def place_in_cpu_memory(self) -> None:
         """Back to CPU memory after a load that placed the table elsewhere (a `device_map`)."""
         if not self.offload:
@@ -968,6 +981,25 @@ class EGMLAPreTrainedModel(PreTrainedModel):
                 module.place_in_cpu_memory()
         return loaded
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`; as remote code the folder maps `AutoModel` to the base model too."""
+        if type(self)._auto_class is not None:
+            self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}),
+                                    "AutoModel": "modeling_egmla.EGMLAModel"}  # fmt: skip
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def resize_token_embeddings(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ) -> nn.Embedding:
+        """`PreTrainedModel.resize_token_embeddings`, and every gate table with the vocabulary: kept rows stay, new
+        rows are zero (the identity gate, 1 + W^{UE} 0), an offloaded table stays in CPU memory."""
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        tables = getattr(self, self.base_model_prefix, self).gate_embeddings
+        for index, table in enumerate(tables):
+            if table.num_embeddings != embeddings.num_embeddings:
+                tables[index] = table.resized(embeddings.num_embeddings)
+        return embeddings
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         # Leaf modules only: as remote code, modules without parameters of their own are skipped.
@@ -1012,6 +1044,23 @@ class EGMLAModel(EGMLAPreTrainedModel):
                 f"input_ids must lie in [0, vocab_size={self.config.vocab_size}); got values from {low} to {high}."
             )
 
+    def check_inputs(
+        self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, cache: Cache | None
+    ) -> None:
+        """What a forward needs, refused by name: exactly one of ids and embeddings, ids for the gate, ids in range
+        (`check_input_ids`), and a cache of transformers' kind."""
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if cache is not None and not isinstance(cache, Cache):
+            raise TypeError(
+                f"cache must be a transformers Cache (EGMLACache(model.config) or DynamicCache(config=model.config)), "
+                f"got {type(cache).__name__}: legacy tuples of tensors cannot hold the latent cache."
+            )
+        if input_ids is not None:
+            self.check_input_ids(input_ids)
+        elif self.config.gate_enabled:
+            raise ValueError("The EG-MLA gate is looked up by token id: pass input_ids, not inputs_embeds.")
+
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
     @capture_outputs
@@ -1025,12 +1074,7 @@ class EGMLAModel(EGMLAPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
-        if (input_ids is None) ^ (inputs_embeds is not None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if input_ids is not None:
-            self.check_input_ids(input_ids)
-        elif self.config.gate_enabled:
-            raise ValueError("The EG-MLA gate is looked up by token id: pass input_ids, not inputs_embeds.")
+        self.check_inputs(input_ids, inputs_embeds, cache)
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)

@@ -1,5 +1,6 @@
 """Writing output folders atomically: a run that stops half-way leaves no half-written folder behind."""
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -23,18 +24,43 @@ def check_output_folder(out: str | Path, overwrite: bool, inputs: tuple[str | Pa
     return out
 
 
+def remove_stale_staging(out: Path) -> None:
+    """Removes the staging folders of earlier runs for `out` that were killed (their writer's pid is gone)."""
+    for staging in out.parent.glob(f".{out.name}.*"):
+        pid = staging.name.removeprefix(f".{out.name}.").split(".")[0]
+        if staging.is_dir() and pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 @contextmanager
 def atomic_folder(out: str | Path, overwrite: bool = False, inputs: tuple[str | Path, ...] = ()) -> Iterator[Path]:
-    """Yields a temporary folder beside `out`; on success it replaces `out` by a rename, on error it is removed."""
+    """Yields a temporary folder beside `out` (`.OUT.<pid>.<random>`); on success it replaces `out` by renames, on
+    error it is removed. A run killed outright (SIGKILL) leaves only that folder, which the next run removes: `out`
+    is never partial, since both the old folder and the new one move by atomic renames."""
     out = check_output_folder(out, overwrite, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    remove_stale_staging(out)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", dir=out.parent))
     staging.chmod(0o755)  # mkdtemp's 0o700 would otherwise become the output's mode
     try:
         yield staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if out.exists():
-        shutil.rmtree(out)
+    replaced = None
+    if out.exists():  # moved aside, not deleted in place: a kill mid-delete would leave a partial `out`
+        replaced = staging.with_name(staging.name + ".replaced")
+        out.rename(replaced)
     staging.rename(out)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)

@@ -31,7 +31,10 @@ def token_blocks(tokenizer: PreTrainedTokenizerBase, documents: list[str], block
         stream += framed_ids(tokenizer, document)
     usable = len(stream) // block_size * block_size
     if usable == 0:
-        raise ValueError(f"The text gives {len(stream)} tokens, fewer than one block of {block_size}.")
+        raise ValueError(
+            f"The text gives {len(stream)} tokens, fewer than one block of {block_size}: give more text, or a smaller "
+            "--block-size."
+        )
     return torch.tensor(stream[:usable]).view(-1, block_size)
 
 

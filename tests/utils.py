@@ -1,5 +1,5 @@
-"""What the tests share: tiny random EG-MLA and Llama models, the real assets in ../shared (skipped when absent),
-and the cached-against-uncached helpers."""
+"""What the tests share: tiny random EG-MLA and Llama models, the real stories260K checkpoint (in the repository),
+the TinyStories text in ../shared (skipped when absent), and the cached-against-uncached helpers."""
 
 from pathlib import Path
 
@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from egmla import EGMLAConfig, EGMLAForCausalLM
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-STORIES260K = SHARED / "assets" / "stories260K-hf"
+STORIES260K = Path(__file__).resolve().parent / "assets" / "stories260K-hf"  # MIT, see assets/README.md
 TINYSTORIES = SHARED / "assets" / "text" / "tinystories_train_2MiB.txt"
 
 # The cache modes: gate off (plain MLA, both decode paths), gate on the up-projected K/V, gate on the latent;

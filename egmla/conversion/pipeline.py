@@ -75,10 +75,23 @@ class TextData:
     description: dict = field(default_factory=dict)
 
 
+def read_calibration_text(path: Path, holds_out: bool) -> list[str]:
+    """The documents of a calibration text, refused by name when there is nothing to fit (or to hold out)."""
+    documents = read_documents(path)
+    if not documents:
+        raise ValueError(f"The calibration text {path} is empty: give documents separated by <|endoftext|>.")
+    if holds_out and len(documents) < 2:
+        raise ValueError(
+            f"The calibration text {path} holds {len(documents)} document: the last 10% of the documents are held "
+            "out to measure the conversion, so give several (separated by <|endoftext|>), or --eval-text."
+        )
+    return documents
+
+
 def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
     context = teacher.config.max_position_embeddings
     if settings.train_text is not None:
-        documents = read_documents(settings.train_text)
+        documents = read_calibration_text(settings.train_text, settings.eval_text is None)
         if settings.eval_text is None:
             documents, held_out_documents = split_documents(documents, 0.1)
             eval_source = f"the last 10% of the documents of {settings.train_text}"

@@ -5,6 +5,7 @@ import copy
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 
@@ -30,7 +31,18 @@ def load_llama(source: str | Path | PreTrainedModel) -> LlamaForCausalLM:
             f"Got a {type(model).__name__}; only Llama (LlamaForCausalLM, MHA or GQA) sources can be converted."
         )
     check_supported(model.config)
+    check_finite(model)
     return model.to(torch.float32).eval()
+
+
+def check_finite(model: PreTrainedModel) -> None:
+    """NaN or inf in the source would silently spread through every factorization: refuse them by name."""
+    for name, parameter in model.named_parameters():
+        if not torch.isfinite(parameter).all():
+            raise ValueError(
+                f"The source's weight {name} holds NaN or inf values: the checkpoint is damaged (re-download or "
+                "re-export it); nothing was converted."
+            )
 
 
 def load_llama_checkpoint(source: str | Path) -> LlamaForCausalLM:
@@ -41,7 +53,13 @@ def load_llama_checkpoint(source: str | Path) -> LlamaForCausalLM:
             f"{source} is a {config.model_type!r} checkpoint; only Llama (LlamaForCausalLM, MHA or GQA) "
             "sources can be converted."
         )
-    model = LlamaForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    try:
+        model = LlamaForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    except (OSError, SafetensorError) as error:  # missing or unreadable weights
+        raise ValueError(
+            f"Could not read the weights of {source} ({error}): the folder needs its model.safetensors (or "
+            "pytorch_model.bin) as saved by save_pretrained; re-download or re-export the checkpoint."
+        ) from error
     if gguf_file is not None:
         # De-quantized to float32 on load: the GGUF quantization no longer describes these weights.
         del model.config.quantization_config
@@ -66,4 +84,11 @@ def load_tokenizer(source: str | Path | PreTrainedModel) -> PreTrainedTokenizerB
     if not name:
         raise ValueError("This in-memory model has no name_or_path to find its tokenizer by: pass token ids.")
     folder, gguf_file = split_gguf(name)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"Could not load a tokenizer from {name} ({str(error).splitlines()[0]}): the source folder needs its "
+            "tokenizer files (tokenizer.json, tokenizer_config.json) beside the weights; copy them from the model "
+            "it came from."
+        ) from error

@@ -1,0 +1,116 @@
+"""Killed outright (SIGKILL: no cleanup runs), the long jobs lose nothing: `egmla convert` never leaves a partial
+output and never touches its source; `egmla finetune` resumes to the losses of an uninterrupted run."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.test_bad_input import FAST, digest, llama_folder
+from tests.utils import tiny_model
+
+EGMLA = [sys.executable, "-m", "egmla.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+OUTPUT_FILES = {"config.json", "model.safetensors", "modeling_egmla.py", "tokenizer.json", "conversion_report.json"}
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL is POSIX")
+
+
+def killed_after(command: list[str], seconds: float, cwd: Path) -> None:
+    process = subprocess.Popen(command, cwd=cwd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+
+
+def assert_complete(out: Path) -> None:
+    assert OUTPUT_FILES <= {path.name for path in out.iterdir()}, sorted(path.name for path in out.iterdir())
+    assert load_file(out / "model.safetensors")  # whole, readable
+
+
+def test_a_killed_convert_leaves_no_partial_output_and_the_next_run_clears_its_staging(tmp_path):
+    source = llama_folder(tmp_path / "src")
+    before = digest(source)
+    out = tmp_path / "out"
+    command = [*EGMLA, "convert", str(source), str(out), *FAST, "--overwrite"]
+    started = time.monotonic()
+    subprocess.run(command, cwd=tmp_path, env=ENV, check=True, capture_output=True)
+    duration = time.monotonic() - started
+    assert_complete(out)
+    moments = random.Random(0)
+    for _ in range(5):  # killed at random moments of a run that replaces `out`: before, during or after the swap
+        killed_after(command, moments.uniform(0.2, duration), tmp_path)
+        if out.exists():
+            assert_complete(out)  # the old folder or the new one, never a mix
+        assert digest(source) == before
+        leftovers = [path.name for path in tmp_path.iterdir() if path.name.startswith(".out.")]
+        assert all(name.split(".")[2].isdigit() for name in leftovers), leftovers  # named by the killed run's pid
+    subprocess.run(command, cwd=tmp_path, env=ENV, check=True, capture_output=True)
+    assert_complete(out)
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".out.")] == []
+    assert digest(source) == before
+
+
+def finetune_command(tmp_path: Path, student: Path, source: Path, text: Path) -> list[str]:
+    return [*EGMLA, "finetune", str(student), "--teacher", str(source), "--out", str(tmp_path / "tuned"),
+            "--checkpoint-dir", str(tmp_path / "checkpoints"), "--train-text", str(text), "--block-size", "32",
+            "--steps", "16", "--batch-size", "2", "--save-every", "1", "--eval-every", "0", "--warmup-steps", "2"]  # fmt: skip
+
+
+def history(checkpoints: Path) -> list[float]:
+    return [entry["loss"] for entry in json.loads((checkpoints / "last" / "progress.json").read_text())["history"]]
+
+
+def saved_step(checkpoints: Path) -> int:
+    try:
+        return json.loads((checkpoints / "last" / "progress.json").read_text())["step"]
+    except (OSError, ValueError):  # between the renames of a checkpoint swap
+        return -1
+
+
+def kill_when(command: list[str], condition) -> bool:
+    """Runs `command` and kills it (SIGKILL) as soon as `condition()` holds; False if it finished first."""
+    process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not condition():
+        if process.poll() is not None:
+            return False
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.002)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    return True
+
+
+def test_a_killed_finetune_resumes_to_the_losses_of_an_uninterrupted_run(tmp_path):
+    source = llama_folder(tmp_path / "src")
+    student = tmp_path / "student"
+    tiny_model(vocab_size=512, hidden_size=64, num_attention_heads=4).save_pretrained(student)
+    text = tmp_path / "text.txt"
+    text.write_text("\n<|endoftext|>\n".join(f"Story {i}: the cat sat on the mat and ran far away." for i in range(80)))
+    straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
+    straight_dir.mkdir(), killed_dir.mkdir()
+    subprocess.run(finetune_command(straight_dir, student, source, text), env=ENV, check=True, capture_output=True)
+    expected = history(straight_dir / "checkpoints")
+    assert len(expected) == 16
+
+    command = finetune_command(killed_dir, student, source, text)
+    checkpoints = killed_dir / "checkpoints"
+    # Killed mid-checkpoint (a new one being written beside the last), then twice more while resumed runs train.
+    assert kill_when(command, lambda: (checkpoints / "last.saving").exists() and saved_step(checkpoints) >= 2)
+    assert not (killed_dir / "tuned").exists()
+    for _ in range(2):
+        reached = saved_step(checkpoints)
+        kill_when([*command, "--resume"], lambda reached=reached: saved_step(checkpoints) >= reached + 3)
+    subprocess.run([*command, "--resume", "--overwrite"], env=ENV, check=True, capture_output=True)
+    assert history(checkpoints) == pytest.approx(expected, rel=1e-4, abs=1e-6)
+    assert (killed_dir / "tuned" / "model.safetensors").exists()
