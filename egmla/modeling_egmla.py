@@ -670,6 +670,8 @@ class EGMLAAttention(nn.Module):
         if fold_norm:
             key_weight, value_weight = self.gate_norm.weight.split([self.rebuilt_key_dim, self.v_head_dim])
             q_nope = q_nope * key_weight
+        query = torch.cat([q_nope, q_rope], dim=-1) if rope_scores is None else q_nope
+        kv_weight = self.kv_b_weight(like=latent)  # [H, dk+dv, r], read once (an adapter's too)
         if attention_mask is None and query_length > 1:
             attention_mask = causal_mask(query_length, key_length, latent.device)
         running_max = q_nope.new_full((batch_size, heads, query_length, 1), float("-inf"), dtype=torch.float32)
@@ -678,14 +680,14 @@ class EGMLAAttention(nn.Module):
         for start in range(0, key_length, DECODE_BLOCK):
             end = min(start + DECODE_BLOCK, key_length)
             block_gate = self.block_gate(gate, gate_rows, start, end)
-            kv = self.rebuild_block(latent[:, :, start:end], block_gate, normed=not fold_norm)  # [B, H, t, dk+dv]
+            kv = self.rebuild_block(latent[:, :, start:end], block_gate, kv_weight, normed=not fold_norm)
             key, value = kv.split([self.rebuilt_key_dim, self.v_head_dim], dim=-1)
             norm_scale = self.gate_norm_scale(kv).unsqueeze(2) if fold_norm else 1.0  # [B, H, 1, t]
             if rope_scores is None:  # "exact" rope: the rebuilt rope dims turn with each cached position
                 rotary = tuple(part[:, :, start:end] for part in key_rotary)
-                scores = torch.matmul(torch.cat([q_nope, q_rope], dim=-1), self.rotate_key(key, rotary).mT)
+                scores = torch.matmul(query, self.rotate_key(key, rotary).mT)
             else:
-                scores = torch.matmul(q_nope, key.mT) * norm_scale + rope_scores[..., start:end]
+                scores = torch.matmul(query, key.mT) * norm_scale + rope_scores[..., start:end]
             mask = attention_mask[..., start:end] if attention_mask is not None else None
             scores = mask_scores(scores.float() * self.scaling, mask)
             block_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
@@ -731,11 +733,13 @@ class EGMLAAttention(nn.Module):
         k_rope = k_rope.permute(0, 2, 3, 1).reshape(batch_size * self.rope_key_heads, self.qk_rope_head_dim, -1)
         return torch.bmm(q_rope, k_rope).view(batch_size, heads, query_length, key_length)
 
-    def rebuild_block(self, latent: torch.Tensor, gate: torch.Tensor | None, normed: bool = True) -> torch.Tensor:
+    def rebuild_block(
+        self, latent: torch.Tensor, gate: torch.Tensor | None, kv_weight: torch.Tensor, normed: bool = True
+    ) -> torch.Tensor:
         """latent [B, 1, t, r] and its gate [B, t, H*(dk+dv)] -> the rebuilt key dims and values [B, H, t, dk+dv],
-        gated (and normed), made per head by one product (no transpose copy of [B, t, H, .] afterwards)."""
+        gated (and normed), made per head by one product with W^{UKV} [H, dk+dv, r] (no transpose copy after)."""
         batch_size, _, seq_length, _ = latent.shape
-        kv = torch.einsum("btr,hcr->bhtc", latent[:, 0], self.kv_b_weight(like=latent))
+        kv = torch.einsum("btr,hcr->bhtc", latent[:, 0], kv_weight)
         if gate is not None:
             kv = kv * gate.view(batch_size, seq_length, self.num_heads, -1).transpose(1, 2)
         if normed and self.gate_position == "kv" and self.gate_norm is not None:

@@ -1,7 +1,6 @@
 """The README's bad-input table, row by row: each bad input gets an error that names the problem (and what to do),
 nothing is written, and the source is left as it was."""
 
-import hashlib
 import shutil
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from egmla.cli import main
+from tests.test_conversion import folder_digest as digest
 from tests.utils import STORIES260K, tiny_llama, tiny_model
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "egmla" / "data" / "stories260K-tokenizer"
@@ -107,14 +107,6 @@ CONVERSION_ROWS = [
     ("a rank larger than the source allows", rank_too_large, r"rank must lie in \[1, 64\]"),
     ("NaN or inf in the source weights", nan_weights, "layers.1.self_attn.k_proj.weight holds NaN or inf"),
 ]
-
-
-def digest(folder: Path) -> str:
-    sha = hashlib.sha256()
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            sha.update(path.name.encode() + path.read_bytes())
-    return sha.hexdigest()
 
 
 @pytest.mark.parametrize(("row", "setup", "message"), CONVERSION_ROWS, ids=[row[0] for row in CONVERSION_ROWS])

@@ -11,7 +11,10 @@ from egmla import EGMLAConfig, EGMLAForCausalLM
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 STORIES260K = Path(__file__).resolve().parent / "assets" / "stories260K-hf"  # MIT, see assets/README.md
+# TinyStories training text: the 2 MiB shard in ../shared, else the package's embedded excerpt (490 stories).
 TINYSTORIES = SHARED / "assets" / "text" / "tinystories_train_2MiB.txt"
+if not TINYSTORIES.exists():
+    TINYSTORIES = Path(__file__).resolve().parents[1] / "egmla" / "data" / "tinystories_excerpt.txt"
 
 # The cache modes: gate off (plain MLA, both decode paths), gate on the up-projected K/V, gate on the latent;
 # each with the decoupled rope key, and with the RoPE-exact latent.
