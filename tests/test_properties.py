@@ -28,7 +28,8 @@ def configs(draw) -> EGMLAConfig:
         draw(st.lists(st.integers(3, 12), min_size=layers, max_size=layers)) if per_layer else draw(st.integers(3, 12))
     )
     return EGMLAConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=layers, num_attention_heads=heads,
+        vocab_size=VOCAB, hidden_size=draw(st.sampled_from([24, 32])), intermediate_size=40,
+        num_hidden_layers=layers, num_attention_heads=heads,
         kv_lora_rank=ranks, q_lora_rank=draw(st.sampled_from([None, 12])),
         qk_nope_head_dim=draw(st.sampled_from([4, 8])), qk_rope_head_dim=draw(st.sampled_from([4, 8])),
         v_head_dim=draw(st.sampled_from([4, 6])), rope_key_heads=rope_key_heads, rope_mode=rope_mode,
