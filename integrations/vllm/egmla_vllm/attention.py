@@ -15,14 +15,17 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionLayer, MultipleOf
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
-# The one latent + rope width vLLM's CPU kernel (and MLA metadata) is built for.
+# The latent + rope widths vLLM's MLA metadata takes (its GPU kernels); its CPU kernel takes only 576.
+NATIVE_HEAD_SIZES = (320, 512, 576)
 NATIVE_CPU_HEAD_SIZE = 576
 
 
 def latent_backend(head_size: int, rebuilds: bool = False) -> type | None:
     """The attention backend for a cached row of `head_size` values: ours where the keys are rebuilt (it only
-    writes the cache there) and on a CPU where vLLM has no kernel for that width, else None (vLLM chooses)."""
-    if rebuilds or (current_platform.is_cpu() and head_size != NATIVE_CPU_HEAD_SIZE):
+    writes the cache there) and where vLLM has no kernel for that width, else None (vLLM chooses). Ours is plain
+    PyTorch, so it runs on a GPU too, but it is tested on the CPU only."""
+    native = (NATIVE_CPU_HEAD_SIZE,) if current_platform.is_cpu() else NATIVE_HEAD_SIZES
+    if rebuilds or head_size not in native:
         return EGMLACPUMLABackend
     return None
 
