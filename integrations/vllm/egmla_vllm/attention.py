@@ -92,16 +92,25 @@ class EGMLACPUMLAImpl(CPUMLAImpl):
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         decode = attn_metadata.decode
-        block_size, head_size = kv_c_and_k_pe_cache.shape[-2], kv_c_and_k_pe_cache.shape[-1]
-        cache = kv_c_and_k_pe_cache.view(-1, block_size, head_size)
         seq_lens = decode.seq_lens.to(torch.long)
-        blocks = -(-int(seq_lens.max()) // block_size)  # on the CPU: no device sync
-        rows = cache[decode.block_table[:, :blocks].to(torch.long)].flatten(1, 2)  # [B, T, r + dr]
+        rows = request_rows(kv_c_and_k_pe_cache, decode.block_table, seq_lens)  # [B, T, r + dr]
         scores = torch.bmm(q.to(rows.dtype), rows.transpose(1, 2)).float() * self.scale  # [B, H, T]
         positions = torch.arange(rows.shape[1], device=rows.device)
         scores = scores.masked_fill((positions[None] >= seq_lens[:, None])[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(rows.dtype)
         return torch.bmm(probs, rows[..., : self.kv_lora_rank]).to(q.dtype), None
+
+
+def request_rows(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Each request's cached rows [R, T, width], gathered from the paged cache [blocks, block_size, width] by its
+    block table (T: the longest request); rows past a request's own length are zeros, since a reused block may hold
+    anything (NaN included) and a masked weight of 0 times NaN is NaN."""
+    block_size, width = kv_cache.shape[-2], kv_cache.shape[-1]
+    length = int(seq_lens.max())  # a host sync on a GPU; this backend is the CPU's
+    blocks = block_table[:, : -(-length // block_size)].to(torch.long)
+    rows = kv_cache.view(-1, block_size, width)[blocks].flatten(1, 2)[:, :length]
+    valid = torch.arange(length, device=rows.device)[None] < seq_lens[:, None]
+    return rows.masked_fill(~valid[..., None], 0)
 
 
 def padded_queries(query: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -144,11 +153,9 @@ class RebuildingAttention(MLAAttention):
         """query [N, H, dq], rotated, over each request's cache; causal within the new tokens."""
         seq_lens = metadata.request_seq_lens.to(torch.long)
         starts = metadata.request_query_start_loc.to(torch.long)
-        block_size, width = kv_cache.shape[-2], kv_cache.shape[-1]
-        length = int(seq_lens.max())
-        blocks = metadata.request_block_table[:, : -(-length // block_size)].to(torch.long)
-        rows = kv_cache.view(-1, block_size, width)[blocks].flatten(1, 2)[:, :length]  # [R, T, width]
-        key, value = self.rebuild(rows)  # unwritten slots hold anything: masked below
+        rows = request_rows(kv_cache, metadata.request_block_table, seq_lens)  # [R, T, width]
+        key, value = self.rebuild(rows)
+        length = rows.shape[1]
         padded, request, place = padded_queries(query, starts)  # [R, S, H, dq]
         query_lens = (starts[1:] - starts[:-1])[:, None, None]
         positions = torch.arange(length, device=rows.device)[None, None]

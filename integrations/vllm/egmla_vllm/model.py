@@ -167,7 +167,7 @@ class EGMLAAttention(nn.Module):
         kv = self.kv_b_proj(latent.reshape(requests * length, -1))[0]
         if self.gated_kv:
             digits = tail[..., self.rope_width : self.rope_width + self.id_digits].round().long()
-            ids = (digits * 256 ** torch.arange(self.id_digits, device=rows.device)).sum(-1).clamp(0)
+            ids = (digits * 256 ** torch.arange(self.id_digits, device=rows.device)).sum(-1)  # padding rows: 0
             kv = kv * (1 + self.gate_embedding_proj(self.gate_table[0](ids.flatten()))[0])
             if self.gate_norm is not None:
                 kv = self.gate_norm(kv.view(requests * length * self.num_heads, -1))
