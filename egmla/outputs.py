@@ -1,16 +1,24 @@
-"""Writing output folders atomically: a run that stops half-way leaves no half-written folder behind."""
+"""Writing output folders atomically: a run that stops half-way, even killed outright, leaves no half-written
+folder behind."""
 
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+# Beside OUT, a run writes `.OUT.<pid>.<8 random>` (and moves an old OUT to that name + ".replaced"), each marked by
+# STAGING_MARK holding the writer's host, so that only what this machine's dead writers left is ever touched.
+STAGING_MARK = ".egmla-staging"
+
 
 def check_output_folder(out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = ()) -> Path:
     """Refuses an existing folder unless `overwrite`, and any output that is, holds or lies inside one of the
-    `inputs` (even with `overwrite`): call it before any long work starts."""
+    `inputs` (even with `overwrite`): call it before any long work starts. First puts back what a killed run left
+    (`recover_killed_runs`)."""
     out = Path(out)
     resolved = out.resolve()
     for source in inputs:
@@ -19,17 +27,29 @@ def check_output_folder(out: str | Path, overwrite: bool, inputs: tuple[str | Pa
             continue  # a Hub id, not a local path
         if resolved == source_path or resolved in source_path.parents or source_path in resolved.parents:
             raise ValueError(f"The output {out} overlaps the input {source}: choose another folder.")
+    recover_killed_runs(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it.")
     return out
 
 
-def remove_stale_staging(out: Path) -> None:
-    """Removes the staging folders of earlier runs for `out` that were killed (their writer's pid is gone)."""
-    for staging in out.parent.glob(f".{out.name}.*"):
-        pid = staging.name.removeprefix(f".{out.name}.").split(".")[0]
-        if staging.is_dir() and pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(staging, ignore_errors=True)
+def recover_killed_runs(out: Path) -> None:
+    """For the folders that runs killed outright (SIGKILL) left beside `out`: the old `out` moved aside goes back
+    when `out` is missing (a kill between the two renames of the swap); every other one is removed."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(\d+)\.[a-z0-9_]{{8}}(\.replaced)?")
+    candidates = sorted(out.parent.glob(f".{out.name}.*"), key=lambda path: not path.name.endswith(".replaced"))
+    for folder in candidates:
+        match = pattern.fullmatch(folder.name)
+        mark = folder / STAGING_MARK
+        if not match or not mark.is_file() or mark.read_text() != socket.gethostname():
+            continue  # not ours: a user's folder, or another machine's run on a shared disk
+        if process_alive(int(match.group(1))):
+            continue
+        if match.group(2) and not out.exists():
+            mark.unlink()
+            folder.rename(out)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def process_alive(pid: int) -> bool:
@@ -45,13 +65,14 @@ def process_alive(pid: int) -> bool:
 @contextmanager
 def atomic_folder(out: str | Path, overwrite: bool = False, inputs: tuple[str | Path, ...] = ()) -> Iterator[Path]:
     """Yields a temporary folder beside `out` (`.OUT.<pid>.<random>`); on success it replaces `out` by renames, on
-    error it is removed. A run killed outright (SIGKILL) leaves only that folder, which the next run removes: `out`
-    is never partial, since both the old folder and the new one move by atomic renames."""
+    error it is removed. `out` is never partial (the old folder and the new one both move by atomic renames); a run
+    killed outright (SIGKILL) leaves only its staging folder, which the next run removes, or, killed between the two
+    renames, the old `out` moved aside, which the next run puts back (`recover_killed_runs`)."""
     out = check_output_folder(out, overwrite, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(out)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", dir=out.parent))
     staging.chmod(0o755)  # mkdtemp's 0o700 would otherwise become the output's mode
+    (staging / STAGING_MARK).write_text(socket.gethostname())
     try:
         yield staging
     except BaseException:
@@ -60,7 +81,9 @@ def atomic_folder(out: str | Path, overwrite: bool = False, inputs: tuple[str | 
     replaced = None
     if out.exists():  # moved aside, not deleted in place: a kill mid-delete would leave a partial `out`
         replaced = staging.with_name(staging.name + ".replaced")
+        (out / STAGING_MARK).write_text(socket.gethostname())
         out.rename(replaced)
+    (staging / STAGING_MARK).unlink()
     staging.rename(out)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)

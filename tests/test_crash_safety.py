@@ -5,6 +5,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from egmla.outputs import STAGING_MARK, check_output_folder
 from tests.test_bad_input import FAST, digest, llama_folder
 from tests.utils import tiny_model
 
@@ -110,7 +112,36 @@ def test_a_killed_finetune_resumes_to_the_losses_of_an_uninterrupted_run(tmp_pat
     assert not (killed_dir / "tuned").exists()
     for _ in range(2):
         reached = saved_step(checkpoints)
-        kill_when([*command, "--resume"], lambda reached=reached: saved_step(checkpoints) >= reached + 3)
+        assert kill_when([*command, "--resume"], lambda reached=reached: saved_step(checkpoints) >= reached + 3)
     subprocess.run([*command, "--resume", "--overwrite"], env=ENV, check=True, capture_output=True)
     assert history(checkpoints) == pytest.approx(expected, rel=1e-4, abs=1e-6)
     assert (killed_dir / "tuned" / "model.safetensors").exists()
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_run_killed_between_the_two_renames_gets_the_old_output_back(tmp_path):
+    """A kill after the old OUT moved aside and before the new one moved in leaves no OUT: the next run puts the
+    old one back (so it refuses to overwrite it without --overwrite) and removes the dead run's staging folder; a
+    user's folder of a similar name, and another machine's staging folder, are left alone."""
+    out, pid = tmp_path / "out", dead_pid()
+    folders = {
+        "replaced": (tmp_path / f".out.{pid}.abcd1234.replaced", socket.gethostname()),
+        "staging": (tmp_path / f".out.{pid}.abcd1234", socket.gethostname()),
+        "users": (tmp_path / ".out.2024", None),
+        "other host": (tmp_path / f".out.{pid}.zzzz9999", "another-machine"),
+    }
+    for name, (folder, host) in folders.items():
+        folder.mkdir()
+        (folder / "content.txt").write_text(name)
+        if host is not None:
+            (folder / STAGING_MARK).write_text(host)
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        check_output_folder(out, overwrite=False)
+    assert (out / "content.txt").read_text() == "replaced" and not (out / STAGING_MARK).exists()
+    assert not folders["staging"][0].exists() and not folders["replaced"][0].exists()
+    assert folders["users"][0].exists() and folders["other host"][0].exists()

@@ -15,17 +15,19 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionLayer, MultipleOf
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
-# The latent + rope widths vLLM's MLA metadata takes (its GPU kernels); its CPU kernel takes only 576.
-NATIVE_HEAD_SIZES = (320, 512, 576)
-NATIVE_CPU_HEAD_SIZE = 576
+# The cache rows vLLM's own MLA kernels take: a 64-wide rope key after a latent of 256, 448 or 512 (DeepSeek's
+# layouts; its MLA metadata checks the sum, 320, 512 or 576), and on the CPU only 512 + 64.
+NATIVE_ROPE_WIDTH = 64
+NATIVE_LATENT_WIDTHS = (256, 448, 512)
+NATIVE_CPU_LATENT_WIDTH = 512
 
 
-def latent_backend(head_size: int, rebuilds: bool = False) -> type | None:
-    """The attention backend for a cached row of `head_size` values: ours where the keys are rebuilt (it only
-    writes the cache there) and where vLLM has no kernel for that width, else None (vLLM chooses). Ours is plain
-    PyTorch, so it runs on a GPU too, but it is tested on the CPU only."""
-    native = (NATIVE_CPU_HEAD_SIZE,) if current_platform.is_cpu() else NATIVE_HEAD_SIZES
-    if rebuilds or head_size not in native:
+def latent_backend(latent_width: int, tail_width: int, rebuilds: bool = False) -> type | None:
+    """The attention backend for cached rows [latent ; tail]: ours where the keys are rebuilt (it only writes the
+    cache there) and where vLLM has no kernel for that layout, else None (vLLM chooses). Ours is plain PyTorch, so it
+    runs on a GPU too, but it is tested on the CPU only."""
+    native = (NATIVE_CPU_LATENT_WIDTH,) if current_platform.is_cpu() else NATIVE_LATENT_WIDTHS
+    if rebuilds or tail_width != NATIVE_ROPE_WIDTH or latent_width not in native:
         return EGMLACPUMLABackend
     return None
 

@@ -136,7 +136,7 @@ class EGMLAAttention(nn.Module):
             num_heads=self.num_heads, scale=attention_scaling(config), qk_nope_head_dim=self.nope_dim,
             qk_rope_head_dim=self.tail_width, v_head_dim=self.value_dim, q_lora_rank=self.q_lora_rank,
             kv_lora_rank=self.latent_width, kv_b_proj=self.kv_b_proj, cache_config=cache_config, prefix=f"{prefix}.attn",
-            attn_backend=latent_backend(self.latent_width + self.tail_width, self.rebuilds_keys),
+            attn_backend=latent_backend(self.latent_width, self.tail_width, self.rebuilds_keys),
         )  # fmt: skip
         if self.rebuilds_keys:
             return RebuildingAttention(self.rebuild, **layer)
@@ -262,7 +262,7 @@ class EGMLAModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        rotary = self.rotary(positions)
+        rotary = tuple(part.to(hidden_states.dtype) for part in self.rotary(positions))  # the model's dtype
         for layer in self.layers:
             hidden_states = layer(rotary, hidden_states, input_ids)
         return self.norm(hidden_states)

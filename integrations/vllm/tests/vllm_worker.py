@@ -25,13 +25,19 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     request = json.loads(sys.argv[1])
+    engine = {  # what a request may set: long prompts over small blocks, prefix caching, chunked prefill, a dtype
+        name: request[name]
+        for name in ("block_size", "enable_prefix_caching", "max_num_batched_tokens")
+        if name in request
+    }
     llm = LLM(
         model=request["folder"],
-        dtype="float32",
+        dtype=request.get("dtype", "float32"),
         max_model_len=request.get("max_model_len", 256),
         max_num_seqs=4,
         enforce_eager=True,
         seed=0,
+        **engine,
     )
     params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, logprobs=request.get("logprobs", 1))
     prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
