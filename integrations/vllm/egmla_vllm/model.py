@@ -24,7 +24,7 @@ from vllm.model_executor.models.llama import LlamaMLP
 from vllm.sequence import IntermediateTensors
 
 from .attention import RebuildingAttention, latent_backend
-from .config import EGMLAConfig, check_servable
+from .config import EGMLAConfig
 
 
 def attention_scaling(config: EGMLAConfig) -> float:
@@ -274,7 +274,6 @@ class EGMLAForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config: EGMLAConfig = vllm_config.model_config.hf_config
-        check_servable(config)
         if get_tensor_model_parallel_world_size() != 1:
             raise ValueError("egmla-vllm serves on one device (tensor_parallel_size=1) for now.")
         self.config = config
