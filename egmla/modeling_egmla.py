@@ -1140,6 +1140,14 @@ class EGMLAForCausalLM(EGMLAPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @staticmethod
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def create_masks_for_generate(config, inputs_embeds, attention_mask, cache, position_ids=None, **kwargs):
+        """The mask `generate` builds before each step over a static cache: the one `EGMLAModel.forward` builds."""
+        # The default passes our layer type's 2-D mask through, a position longer every step (a compiled step
+        # recompiles); this one is [B, 1, S, max_cache_len] at every step.
+        return create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids)
+
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(

@@ -1,5 +1,7 @@
 """The latent cache must give exactly what a forward without cache gives, in every mode and in `generate`."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -480,6 +482,56 @@ def test_a_compiled_static_decode_step_has_no_graph_break_and_does_not_recompile
                 position = torch.tensor([[5 + step]])
                 tokens.append(model(tokens[-1], cache=cache, position_ids=position).logits[:, -1:].argmax(-1))
     assert torch.equal(torch.cat([prompts, *tokens], dim=1), expected)
+
+
+def graph_counting_backend() -> tuple[list, Callable]:
+    """A backend that records every graph dynamo compiles and runs it eagerly (with `fullgraph=True` one graph per
+    compilation). A plain function, as `CompileConfig.to_dict` deep-copies its backend (a counter object's copy
+    would count unseen)."""
+    graphs = []
+
+    def backend(graph_module, example_inputs, **options):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    return graphs, backend
+
+
+def left_padded_generate(model, **settings) -> torch.Tensor:
+    input_ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :2] = 0
+    return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False, **settings)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_generate_compiled_over_a_static_cache_decodes_a_padded_batch_with_one_graph(mode):
+    """transformers' compile path (`compile_config`): every decode step gets the [B, 1, 1, L] mask of the model's
+    `create_masks_for_generate`, not the 2-D mask that grows a position per step, so no step recompiles."""
+    from transformers.generation import CompileConfig
+
+    model = tiny_model(gate_std=0.3, **MODES[mode])
+    expected = left_padded_generate(model)
+    graphs, backend = graph_counting_backend()
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend)
+    compile_config._compile_all_devices = True  # compile on the CPU too
+    torch._dynamo.reset()
+    tokens = left_padded_generate(model, cache_implementation="static", compile_config=compile_config)
+    assert len(graphs) == 1  # the decode step's (the prefill is not compiled)
+    assert torch.equal(tokens, expected)
+
+
+@pytest.mark.parametrize("mode", ["gate-kv", "exact-gate-latent"])
+def test_a_compiled_forward_generates_a_padded_batch_over_a_static_cache_with_two_graphs(mode):
+    """`model.forward = torch.compile(...)`: the prefill's graph and one decode graph, whatever the steps."""
+    model = tiny_model(gate_std=0.3, **MODES[mode])
+    expected = left_padded_generate(model)
+    graphs, backend = graph_counting_backend()
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=backend, fullgraph=True, dynamic=False)
+    tokens = left_padded_generate(model, cache_implementation="static")
+    assert len(graphs) == 2
+    assert torch.equal(tokens, expected)
 
 
 def test_the_dynamic_latent_cache_grows_by_chunks_not_by_copying_every_step():
