@@ -200,6 +200,8 @@ def retrofit_command(args: argparse.Namespace) -> None:
         finetune=from_args(FinetuneSettings, args) if args.steps is None or args.steps > 0 else None,
         overwrite=args.overwrite,
         sample_prompt=args.prompt,
+        base_model=args.base_model,
+        license=args.license,
     )
     run_conversion(job)
 
@@ -209,15 +211,25 @@ def convert_command(args: argparse.Namespace) -> None:
     if out is None:
         raise ValueError("give the output folder: --out DIR")
     options, text = conversion_options(args), from_args(TextSettings, args)
-    job = ConversionJob(args.source, out, options, text, reconstruction_settings(args), overwrite=args.overwrite)
+    job = ConversionJob(
+        args.source,
+        out,
+        options,
+        text,
+        reconstruction_settings(args),
+        overwrite=args.overwrite,
+        base_model=args.base_model,
+        license=args.license,
+    )
     run_conversion(job)
 
 
 def finetune_command(args: argparse.Namespace) -> None:
     checkpoint_dir = args.checkpoint_dir or args.out.with_name(args.out.name + ".checkpoints")
     settings = from_args(FinetuneSettings, args, checkpoint_dir=checkpoint_dir)
+    text = from_args(TextSettings, args)
     run_finetune(
-        FinetuneJob(args.student, args.teacher, args.out, from_args(TextSettings, args), settings, args.overwrite)
+        FinetuneJob(args.student, args.teacher, args.out, text, settings, args.overwrite, args.base_model, args.license)
     )
 
 
@@ -266,6 +278,23 @@ def bench_command(args: argparse.Namespace) -> None:
     print(f"wrote {results / f'{args.panel}.json'}")
 
 
+def add_card_options(parser: argparse.ArgumentParser, base_model: bool = True) -> None:
+    """The model card's metadata where the source does not say it (or says it wrong)."""
+    if base_model:
+        parser.add_argument(
+            "--base-model",
+            default=None,
+            help="the card's base_model, a Hub model id (default: the source's Hub id, from its name, config or "
+            "GGUF metadata; omitted when none is known)",
+        )
+    parser.add_argument(
+        "--license",
+        default=None,
+        help="the card's licence, a Hub licence id such as apache-2.0 or mit (default: "
+        + ("the source's card, config or GGUF metadata; omitted when none says)" if base_model else "none)"),
+    )
+
+
 def add_retrofit(commands) -> None:
     retrofit = commands.add_parser(
         "retrofit", help="convert a Llama checkpoint (default: SmolLM2-135M-Instruct), fine-tune, report, save"
@@ -276,6 +305,7 @@ def add_retrofit(commands) -> None:
     retrofit.add_argument("--out", type=Path, default=Path("runs/smollm2-egmla"))
     retrofit.add_argument("--overwrite", action="store_true")
     retrofit.add_argument("--prompt", default="Once upon a time", help="prompt of the printed sample")
+    add_card_options(retrofit)
     add_conversion_options(retrofit)
     add_reconstruction_options(retrofit)
     add_text_options(retrofit)
@@ -289,6 +319,7 @@ def add_convert(commands) -> None:
     convert.add_argument("out_folder", nargs="?", type=Path, default=None, help="the output folder (or --out)")
     convert.add_argument("--out", type=Path, default=None)
     convert.add_argument("--overwrite", action="store_true")
+    add_card_options(convert)
     add_conversion_options(convert)
     add_reconstruction_options(convert)
     add_text_options(convert)
@@ -303,6 +334,7 @@ def add_finetune(commands) -> None:
     tune.add_argument("--overwrite", action="store_true")
     tune.add_argument("--resume", action="store_true", help="continue from the checkpoints in --checkpoint-dir")
     tune.add_argument("--checkpoint-dir", type=Path, default=None, help="default: OUT.checkpoints")
+    add_card_options(tune)
     add_text_options(tune)
     add_training_options(tune)
     tune.set_defaults(handler=finetune_command)
@@ -333,6 +365,7 @@ def add_quickstart(commands) -> None:
     quick.add_argument("--gate-embedding-dim", "--gate-dim", type=int, default=defaults.gate_embedding_dim)
     quick.add_argument("--seed", type=int, default=defaults.seed)
     quick.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    add_card_options(quick, base_model=False)
     quick.set_defaults(handler=quickstart_command)
 
 

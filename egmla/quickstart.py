@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from .configuration_egmla import EGMLAConfig
 from .data import EXCERPT, TOKENIZER
+from .hub import TINYSTORIES, SourceMetadata, perplexity_result, save_card, text_dataset
 from .measure import cache_bytes_per_token
 from .modeling_egmla import EGMLAForCausalLM
 from .outputs import atomic_folder, check_output_folder
@@ -40,6 +41,7 @@ class QuickstartSettings:
     gate_embedding_dim: int = 64
     seed: int = 0
     overwrite: bool = False
+    license: str | None = None  # the card's licence (none is written unless given: the model is trained here)
 
     def __post_init__(self) -> None:
         if self.steps <= 0:
@@ -153,6 +155,7 @@ def run_quickstart(settings: QuickstartSettings) -> dict:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / "quickstart_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_card(staging, out.name, report, settings)
 
     reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     report["reload_generates_the_same"] = bool(
@@ -161,6 +164,42 @@ def run_quickstart(settings: QuickstartSettings) -> dict:
     report["seconds"] = round(time.time() - started, 1)
     print_report(report, out)
     return report
+
+
+def write_card(folder: Path, model_name: str, report: dict, settings: QuickstartSettings) -> None:
+    """README.md: a Hub model card made by huggingface_hub (no base model: trained from scratch here)."""
+    dataset = text_dataset(settings.train_text)
+    cache = report["cache_bytes_per_token"]
+    body = f"""
+# EG-MLA trained from scratch by `egmla quickstart`
+
+A {report["parameters"]:,}-parameter Embedding-Gated Multi-head Latent Attention model (arXiv 2509.16686) trained
+by [egmla](https://pypi.org/project/egmla/) for {report["steps"]} steps on `{dataset[1]}`, the last
+{settings.held_out_fraction:.0%} of its documents held out.
+
+```python
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("<this folder or repo>", trust_remote_code=True)
+```
+
+| what | value |
+|---|---|
+| held-out loss, untrained -> trained | {report["held_out_loss_before"]:.3f} -> {report["held_out_loss_after"]:.3f} |
+| held-out perplexity | {report["held_out_perplexity_after"]:.2f} |
+| cache bytes per token (all layers, fp32): Llama MHA / MLA / EG-MLA | {cache["llama_mha"]:.0f} / {cache["mla"]:.0f} / \
+{cache["egmla"]:.0f} |
+
+The rest of the measurements are in `quickstart_report.json`.
+"""
+    save_card(
+        folder,
+        body,
+        model_name,
+        SourceMetadata(license=settings.license),
+        [perplexity_result(report["held_out_perplexity_after"], dataset)],
+        tags=["from-scratch"],
+        datasets=[TINYSTORIES] if dataset[0] == TINYSTORIES else None,
+    )
 
 
 def print_report(report: dict, out: Path) -> None:

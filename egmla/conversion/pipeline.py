@@ -12,6 +12,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM
 
 from ..data import EXCERPT
+from ..hub import public_name, source_metadata, text_dataset
 from ..measure import kv_values_per_token
 from ..outputs import atomic_folder, check_output_folder
 from ..text import (
@@ -29,7 +30,7 @@ from ..training import FinetuneSettings, finetune, settings_summary
 from .convert import ConversionOptions, convert_llama_to_egmla, resolve_budget
 from .gate import fit_gate
 from .reconstruction import ReconstructionSettings, reconstruct_layers
-from .report import print_report, write_model_card
+from .report import print_report, write_finetune_card, write_model_card
 from .search import choose_split
 from .source import load_llama, load_tokenizer, split_gguf
 
@@ -94,18 +95,18 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
         documents = read_calibration_text(settings.train_text, settings.eval_text is None)
         if settings.eval_text is None:
             documents, held_out_documents = split_documents(documents, 0.1)
-            eval_source = f"the last 10% of the documents of {settings.train_text}"
+            eval_source = f"the last 10% of the documents of {public_name(settings.train_text)}"
         else:
             held_out_documents = read_documents(settings.eval_text)
-            eval_source = str(settings.eval_text)
+            eval_source = public_name(settings.eval_text)
         fit = token_blocks(tokenizer, documents, settings.block_size)
-        fit_source = str(settings.train_text)
+        fit_source = public_name(settings.train_text)
     else:
         fit = sample_blocks(teacher, tokenizer, settings.sampled_blocks, settings.block_size, seed=settings.seed)
         fit_source = f"{settings.sampled_blocks} x {settings.block_size} tokens sampled from the source (data-free)"
         eval_path = settings.eval_text or EXCERPT
         held_out_documents = read_documents(eval_path)
-        eval_source = str(eval_path)
+        eval_source = public_name(eval_path)
     held_out = token_blocks(tokenizer, held_out_documents, settings.block_size)[: settings.eval_blocks]
     documents = document_ids(tokenizer, held_out_documents[: settings.eval_documents], context)
     recovery_length = settings.recovery_block_size or min(context, MAX_RECOVERY_BLOCK)
@@ -119,6 +120,11 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
         "eval_context": context,
     }
     return TextData(fit, recovery, held_out, documents, description)
+
+
+def held_out_dataset(settings: TextSettings) -> tuple[str, str]:
+    """The held-out text as a `model-index` dataset (type, file name)."""
+    return text_dataset(settings.eval_text or settings.train_text or EXCERPT)
 
 
 def recovery_settings(settings: FinetuneSettings, text: TextData) -> FinetuneSettings:
@@ -155,12 +161,15 @@ class ConversionJob:
     finetune: FinetuneSettings | None = None  # None: convert only
     overwrite: bool = False
     sample_prompt: str | None = None
+    base_model: str | None = None  # the card's base model (a Hub id); None: the source's own, when it names one
+    license: str | None = None  # the card's licence; None: the source's card, config or GGUF metadata, if any
 
 
 def run_conversion(job: ConversionJob) -> dict:
     """Convert (and optionally fine-tune), evaluate, report and save a Hub-ready folder atomically."""
     inputs = (split_gguf(job.source)[0],)
     check_output_folder(job.out, job.overwrite, inputs)  # before any long work
+    metadata = source_metadata(job.source, job.base_model, job.license)  # the card's, read before too
     started = time.time()
     teacher, tokenizer = load_llama(job.source), load_tokenizer(job.source)
     text = prepare_text(teacher, tokenizer, job.text)
@@ -180,10 +189,10 @@ def run_conversion(job: ConversionJob) -> dict:
         result = finetune(student, teacher, text.recovery, settings, text.held_out)
         student = result.model
         add_scores(scores, score_documents({"fine-tuned": student}, text))
-        finetune_summary = {**result_summary(result), **settings_summary(settings)}
+        finetune_summary = {**result_summary(result), **public_settings(settings)}
 
     report = {
-        "source": str(job.source),
+        "source": public_name(job.source),
         "options": asdict(options),
         "budget": {**asdict(resolve_budget(teacher.config, options)), "kv_lora_rank": student.config.kv_lora_rank},
         "candidates": candidates,
@@ -192,6 +201,11 @@ def run_conversion(job: ConversionJob) -> dict:
         "kv": kv_report(teacher, student, text.held_out[:2, :32]),
         **scores,
         "finetune": finetune_summary,
+    }
+    report["card"] = {
+        **asdict(metadata),
+        "model_name": Path(job.out).name,
+        "eval_dataset": held_out_dataset(job.text),
     }
     if job.sample_prompt:
         report["sample"] = greedy_sample(student, tokenizer, job.sample_prompt)
@@ -227,6 +241,11 @@ def greedy_sample(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: in
     )
 
 
+def public_settings(settings: FinetuneSettings) -> dict:
+    """The settings as a report holds them: the checkpoint folder by its name, not its local path."""
+    return {**settings_summary(settings), "checkpoint_dir": public_name(settings.checkpoint_dir)}
+
+
 def result_summary(result) -> dict:
     return {
         "steps_done": result.steps_done,
@@ -246,12 +265,16 @@ class FinetuneJob:
     text: TextSettings
     settings: FinetuneSettings
     overwrite: bool = False
+    base_model: str | None = None  # the card's base model; None: the student's card's, else the teacher's Hub id
+    license: str | None = None  # the card's licence; None: the student's card's, else the teacher's
 
 
 def run_finetune(job: FinetuneJob) -> dict:
     """Fine-tunes a converted folder against its source and saves the result atomically."""
     inputs = (job.student, split_gguf(job.teacher)[0])
     check_output_folder(job.out, job.overwrite, inputs)
+    teacher_metadata = source_metadata(job.teacher)
+    student_metadata = source_metadata(job.student)  # a converted folder's card names its source
     student = AutoModelForCausalLM.from_pretrained(job.student, dtype=torch.float32)
     teacher, tokenizer = load_llama(job.teacher), load_tokenizer(job.teacher)
     text = prepare_text(teacher, tokenizer, job.text)
@@ -260,12 +283,19 @@ def run_finetune(job: FinetuneJob) -> dict:
     result = finetune(student, teacher, text.recovery, settings, text.held_out)
     add_scores(scores, score_documents({"after": result.model}, text))
     summary = {
-        "student": job.student,
-        "teacher": job.teacher,
+        "student": public_name(job.student),
+        "teacher": public_name(job.teacher),
         **text.description,
         **scores,
         **result_summary(result),
-        "settings": settings_summary(settings),
+        "settings": public_settings(settings),
+    }
+    summary["card"] = {
+        "base_model": job.base_model or student_metadata.base_model or teacher_metadata.base_model,
+        "license": job.license or student_metadata.license or teacher_metadata.license,
+        "language": student_metadata.language or teacher_metadata.language,
+        "model_name": Path(job.out).name,
+        "eval_dataset": held_out_dataset(job.text),
     }
     state = PartialState()  # under `accelerate launch`, every process trained the same model: one writes it
     if state.is_main_process:
@@ -273,6 +303,7 @@ def run_finetune(job: FinetuneJob) -> dict:
             result.model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             (staging / "finetune_report.json").write_text(json.dumps(summary, indent=2) + "\n")
+            write_finetune_card(staging, summary)
         print(
             f"held-out perplexity {summary['perplexity']['before']:.3f} -> {summary['perplexity']['after']:.3f}; "
             f"saved {job.out}"

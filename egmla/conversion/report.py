@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+from ..hub import SourceMetadata, perplexity_result, save_card
+
 
 def format_table(rows: list[tuple[str, str]]) -> str:
     width = max(len(name) for name, _ in rows)
@@ -89,22 +91,28 @@ def print_report(report: dict) -> None:
         print(position_table(report))
 
 
+def output_perplexity(report: dict) -> float | None:
+    """The held-out perplexity of the model the folder holds: its last stage's."""
+    scores = report.get("perplexity", {})
+    return next((scores[name] for name in ("fine-tuned", "layer-wise", "zero-shot") if scores.get(name)), None)
+
+
 def write_model_card(folder: Path, report: dict) -> None:
-    """README.md (a Hub model card) and conversion_report.json in the output folder."""
+    """README.md (a Hub model card made by huggingface_hub, its metadata from `report["card"]`) and
+    conversion_report.json in the output folder."""
     (folder / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    card = report.get("card", {})
     settings = "\n".join(
         f"| `{key}` | `{value}` |" for part in ("options", "budget") for key, value in report[part].items()
     )
     table = "\n".join(f"| {name} | {value} |" for name, value in report_rows(report))
-    card = f"""---
-library_name: transformers
-tags: [egmla, mla, kv-cache, retrofit]
-base_model: {report["source"]}
----
+    source = card.get("base_model") or report["source"]
+    value = output_perplexity(report)
+    results = [perplexity_result(value, card.get("eval_dataset"))] if value else None
+    body = f"""
+# EG-MLA retrofit of `{source}`
 
-# EG-MLA retrofit of `{report["source"]}`
-
-This model is `{report["source"]}` converted by [egmla](https://pypi.org/project/egmla/) into Embedding-Gated
+This model is `{source}` converted by [egmla](https://pypi.org/project/egmla/) into Embedding-Gated
 Multi-head Latent Attention (arXiv 2509.16686): its K/V cache holds only a low-rank latent and a few rotary key
 dims per token.
 
@@ -135,4 +143,38 @@ The conversion options, then the budget they resolve to for this source (values 
 |---|---|
 {settings}
 """
-    (folder / "README.md").write_text(card)
+    metadata = SourceMetadata(card.get("base_model"), card.get("license"), card.get("language"))
+    save_card(folder, body, card.get("model_name") or "egmla-model", metadata, results, tags=["retrofit"])
+
+
+def write_finetune_card(folder: Path, summary: dict) -> None:
+    """README.md of an `egmla finetune` folder (a Hub model card made by huggingface_hub)."""
+    card = summary.get("card", {})
+    scores = summary.get("perplexity", {})
+    source = card.get("base_model") or summary["teacher"]
+    after = scores.get("after")
+    results = [perplexity_result(after, card.get("eval_dataset"))] if after else None
+    rows = "\n".join(f"| {name} | {value:.3f} |" for name, value in scores.items() if value is not None)
+    body = f"""
+# EG-MLA retrofit of `{source}`, fine-tuned
+
+The EG-MLA model `{summary["student"]}` (converted from `{source}` by [egmla](https://pypi.org/project/egmla/))
+recovered by distillation from `{summary["teacher"]}` for {summary["steps_done"]} steps.
+
+```python
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("<this folder or repo>", trust_remote_code=True)
+```
+
+## Held-out perplexity
+
+Whole held-out documents never used for fitting ({summary.get("eval_text", "see the report")}).
+
+| model | perplexity |
+|---|---|
+{rows}
+
+The settings and the rest of the measurements are in `finetune_report.json`.
+"""
+    metadata = SourceMetadata(card.get("base_model"), card.get("license"), card.get("language"))
+    save_card(folder, body, card.get("model_name") or "egmla-model", metadata, results, tags=["retrofit"])

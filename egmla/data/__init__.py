@@ -8,6 +8,7 @@ DATA = Path(__file__).resolve().parent
 EXCERPT = DATA / "tinystories_excerpt.txt"
 TOKENIZER = DATA / "stories260K-tokenizer"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model that file is a quantization of
 
 
 def smollm2_gguf() -> str:
