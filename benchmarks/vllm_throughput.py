@@ -83,7 +83,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         latent = ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", gate_position="latent",
                                    factorization="weight")  # fmt: skip
-        rebuilt = ConversionOptions(kv_lora_rank=32, rope_mode="exact", factorization="weight")
+        rebuilt = ConversionOptions(kv_lora_rank=32, rope_mode="exact", gate_position="kv", factorization="weight")
         folders = {
             "Llama (source, padded to head_dim 32)": padded_llama(STORIES260K, Path(scratch) / "llama"),
             "EG-MLA, gate on the latent (absorbed decode)": egmla_folder(STORIES260K, Path(scratch) / "latent", latent),

@@ -12,6 +12,7 @@ from pathlib import Path
 from .bench import decode, figure, kv, train
 from .conversion import ConversionOptions
 from .conversion.pipeline import (
+    CONVERT_DEFAULTS,
     RETROFIT_DEFAULTS,
     ConversionJob,
     FinetuneJob,
@@ -90,8 +91,9 @@ def add_conversion_options(parser: argparse.ArgumentParser) -> None:
         "--rope-mode",
         choices=["auto", "exact", "decoupled"],
         default=ConversionOptions.rope_mode,
-        help="exact: every key rebuilt from the latent and rotated (no absorbed decode); decoupled: a cached rope "
-        "key beside the latent (DeepSeek); auto: the better of both on held-out calibration blocks",
+        help="auto: the best width of a decoupled rope key on held-out calibration blocks (absorbed decode); "
+        "decoupled: a cached rope key beside the latent (DeepSeek); exact: every key rebuilt from the latent and "
+        "rotated at every step (RoPE kept exactly, decode slower than the source)",
     )
     parser.add_argument(
         "--rope-keys",
@@ -113,7 +115,13 @@ def add_conversion_options(parser: argparse.ArgumentParser) -> None:
         default=ConversionOptions.gate_embedding_dim,
         help="0 = plain MLA",
     )
-    parser.add_argument("--gate-position", choices=["kv", "latent"], default=ConversionOptions.gate_position)
+    parser.add_argument(
+        "--gate-position",
+        choices=["kv", "latent"],
+        default=ConversionOptions.gate_position,
+        help="latent: the gate scales the cached latent (absorbed decode); kv: the paper's gate on the rebuilt K/V "
+        "(every cached latent re-expanded at every step)",
+    )
     parser.add_argument("--factorization", choices=["activation", "weight"], default=ConversionOptions.factorization)
     parser.add_argument("--rank-allocation", choices=["uniform", "energy"], default=ConversionOptions.rank_allocation)
     parser.add_argument("--damping", type=float, default=ConversionOptions.damping)
@@ -211,12 +219,14 @@ def convert_command(args: argparse.Namespace) -> None:
     if out is None:
         raise ValueError("give the output folder: --out DIR")
     options, text = conversion_options(args), from_args(TextSettings, args)
+    recovers = text.train_text is not None and (args.steps is None or args.steps > 0)
     job = ConversionJob(
         args.source,
         out,
         options,
         text,
         reconstruction_settings(args),
+        finetune=from_args(FinetuneSettings, args) if recovers else None,
         overwrite=args.overwrite,
         base_model=args.base_model,
         license=args.license,
@@ -314,7 +324,11 @@ def add_retrofit(commands) -> None:
 
 
 def add_convert(commands) -> None:
-    convert = commands.add_parser("convert", help="convert a Llama checkpoint into EG-MLA (no fine-tuning)")
+    convert = commands.add_parser(
+        "convert",
+        help="convert a Llama checkpoint into EG-MLA; with --train-text, recover it on that text for --max-minutes "
+        "(--steps 0: no recovery)",
+    )
     convert.add_argument("source", help="Llama folder, Hub id or .gguf file")
     convert.add_argument("out_folder", nargs="?", type=Path, default=None, help="the output folder (or --out)")
     convert.add_argument("--out", type=Path, default=None)
@@ -323,7 +337,8 @@ def add_convert(commands) -> None:
     add_conversion_options(convert)
     add_reconstruction_options(convert)
     add_text_options(convert)
-    convert.set_defaults(handler=convert_command)
+    add_training_options(convert)
+    convert.set_defaults(handler=convert_command, **CONVERT_DEFAULTS)
 
 
 def add_finetune(commands) -> None:

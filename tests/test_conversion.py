@@ -3,6 +3,7 @@
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +11,9 @@ from safetensors.torch import load_file
 
 from egmla.cli import main
 from egmla.conversion import ConversionOptions, calibrate, convert_llama_to_egmla, load_llama, load_tokenizer
+from egmla.conversion.decode_cost import egmla_cost
 from egmla.conversion.factorization import allocate_ranks, factorize
+from egmla.conversion.pipeline import StageSelection
 from egmla.conversion.reconstruction import ReconstructionSettings
 from egmla.conversion.rope import rotation_variance
 from egmla.text import perplexity, read_documents, split_documents, token_blocks
@@ -53,24 +56,40 @@ def test_full_rank_all_pairs_reproduces_stories260k(stories, rope_keys, all_pair
         assert (partial(input_ids).logits - teacher(input_ids).logits).abs().max() > 1e-2
 
 
-def test_the_default_split_is_searched_reported_and_the_best_one_kept(tmp_path):
-    """With only a budget, `egmla convert` compares the RoPE-exact latent and decoupled rope keys of several widths
-    at that budget on held-out calibration blocks, keeps the best, and reports each with its decode path."""
+def test_the_default_split_is_absorbable_searched_reported_and_the_best_one_kept(tmp_path, capsys):
+    """With only a budget, `egmla convert` compares decoupled rope keys of several widths at that budget on held-out
+    calibration blocks (every one an absorbed decode), keeps the best, and reports each with its decode cost; the
+    saved model decodes absorbed, its measured step and cache bytes beside the source's."""
     needs_shared(STORIES260K)
     needs_shared(TINYSTORIES)
     out = tmp_path / "out"
     main(["convert", str(STORIES260K), "--out", str(out), "--kv-cut", "0.5", "--train-text", str(TINYSTORIES),
-          "--calibration-blocks", "24", "--eval-documents", "12", "--reconstruction-steps", "10"])  # fmt: skip
+          "--calibration-blocks", "24", "--eval-documents", "12", "--reconstruction-steps", "10", "--steps", "0"])  # fmt: skip
     report = json.loads((out / "conversion_report.json").read_text())
     candidates = report["candidates"][1:]
     assert report["candidates"][0]["candidate"] == "source" and len(candidates) >= 3
     assert {row["values_per_token_per_layer"] for row in candidates} == {32}  # one budget
-    assert {row["rope_mode"] for row in candidates} == {"exact", "decoupled"}
+    assert {row["rope_mode"] for row in candidates} == {"decoupled"}
+    assert {row["cost"]["path"] for row in candidates} == {"absorbed"}
     chosen = [row for row in candidates if row.get("chosen")]
     assert len(chosen) == 1 and chosen[0]["perplexity"] == min(row["perplexity"] for row in candidates)
     assert report["options"]["rope_mode"] == chosen[0]["rope_mode"] and report["kv"]["converted"] == 32
-    assert all(row["decode"] for row in candidates)
+    assert report["options"]["gate_position"] == "latent" and report["kv"]["converted_token_id_bytes"] == 0
+    # Per cached token per layer: the source reads 2 x 4 heads x 8 = 64 values and does 2 x 8 heads x 8 = 128
+    # multiply-adds; the absorbed MQA reads the 32 values once and does 8 heads x (latent + rope + latent).
+    source_cost = report["candidates"][0]["cost"]
+    assert (source_cost["values_per_token_per_layer"], source_cost["multiply_adds_per_token_per_layer"]) == (64, 128)
+    rank, rope = chosen[0]["kv_lora_rank"], 2 * chosen[0]["rope_pairs"]
+    assert report["decode"]["arithmetic"]["multiply_adds_per_token_per_layer"] == 8 * (2 * rank + rope)
+    measured = report["decode"]["measured"]
+    assert measured["ratio"] > 0 and measured["cache_bytes_per_token"]["converted"] == 5 * 32 * 4  # fp32, 5 layers
     assert chosen[0]["candidate"] in (out / "README.md").read_text()
+    kept = [row for row in report["stages"] if row["kept"]]
+    assert [row["stage"] for row in report["stages"]] == ["zero-shot", "layer-wise"]
+    assert report["saved_stage"] == kept[-1]["stage"]
+    assert kept[-1]["selection_loss"] == min(row["selection_loss"] for row in report["stages"])
+    printed = capsys.readouterr().out
+    assert "decode ms/step at (8, 504)" in printed and "multiply-adds" in printed and "rebuilds" not in printed
     with pytest.raises(ValueError, match="rope_mode='auto' compares candidates"):
         convert_llama_to_egmla(tiny_llama(), ConversionOptions(kv_lora_rank=8, factorization="weight"))
 
@@ -235,7 +254,7 @@ def folder_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_source(tmp_path, monkeypatch):
+def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_source(tmp_path, monkeypatch, capsys):
     source = tmp_path / "source"
     tiny_llama(vocab_size=512).save_pretrained(source)  # the stories260K tokenizer's vocabulary
     load_tokenizer_source = STORIES260K if STORIES260K.exists() else None
@@ -262,6 +281,10 @@ def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_so
         "32",
         "--gate-embedding-dim",
         "8",
+        "--gate-position",
+        "kv",
+        "--steps",
+        "0",
     ]
 
     # A failure half-way through writing leaves neither the output nor a staging folder behind.
@@ -276,8 +299,12 @@ def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_so
     assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
     monkeypatch.undo()
 
+    capsys.readouterr()
     main(args)
+    # A rebuilding form asked for by name is told its decode cost in one line.
+    assert "the gate on K/V (gate_position='kv') rebuilds every cached key" in capsys.readouterr().out
     report = json.loads((out / "conversion_report.json").read_text())
+    assert report["decode"]["arithmetic"]["path"] == "rebuilt"
     assert report["kv"]["source"] == 2 * 2 * 16 and report["kv"]["converted"] == 16 + 2 * 2  # one shared rope key
     assert {"README.md", "modeling_egmla.py", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     with pytest.raises(SystemExit, match="exists"):
@@ -314,6 +341,20 @@ def test_cli_flags_are_the_field_names_and_the_old_spellings_still_parse():
     with pytest.raises(SystemExit, match="exactly one of kv_lora_rank and kv_cut"):
         main(["convert", "SRC", "--out", str(Path("never-written"))])
     assert not Path("never-written").exists()
+
+
+def test_convert_recovers_on_the_calibration_text_by_default_and_not_without_text(monkeypatch):
+    import egmla.cli as cli
+    from egmla.conversion.pipeline import CONVERT_DEFAULTS
+
+    jobs = []
+    monkeypatch.setattr(cli, "run_conversion", jobs.append)
+    main(["convert", "SRC", "OUT", "--kv-cut", "0.5", "--train-text", "T"])
+    main(["convert", "SRC", "OUT", "--kv-cut", "0.5", "--train-text", "T", "--steps", "0"])
+    main(["convert", "SRC", "OUT", "--kv-cut", "0.5"])  # data-free: the closed form and the layer-wise fit only
+    recovery, off, data_free = (job.finetune for job in jobs)
+    assert recovery.steps is None and recovery.max_minutes == CONVERT_DEFAULTS["max_minutes"]
+    assert off is None and data_free is None
 
 
 @pytest.mark.parametrize("rope_keys", ["per_head", "shared"])
@@ -483,7 +524,7 @@ def test_the_fitted_gate_lowers_the_errors_it_fits_and_leaves_unseen_tokens_at_t
 
     teacher = tiny_llama()
     blocks = torch.randint(3, 60, (16, 32), generator=torch.Generator().manual_seed(0))  # ids 60-95 never seen
-    options = ConversionOptions(kv_lora_rank=12, rope_mode=rope_mode, gate_embedding_dim=8)
+    options = ConversionOptions(kv_lora_rank=12, rope_mode=rope_mode, gate_embedding_dim=8, gate_position="kv")
     statistics = calibrate(teacher, blocks)
     student = convert_llama_to_egmla(teacher, options, statistics)
     rows = fit_gate(student, teacher, blocks, statistics, options, shrinkage=16.0)
@@ -514,7 +555,7 @@ def test_the_fitted_gate_lowers_held_out_perplexity_on_stories260k(stories):
     from egmla.conversion.gate import fit_gate
 
     teacher, calibration = stories["teacher"], stories["calibration"]
-    options = ConversionOptions(kv_cut=0.5, rope_mode="exact")
+    options = ConversionOptions(kv_cut=0.5, rope_mode="exact", gate_position="kv")
     statistics = calibrate(teacher, calibration)
     identity, fitted = (convert_llama_to_egmla(teacher, options, statistics) for _ in range(2))
     rows = fit_gate(fitted, teacher, calibration, statistics, options, shrinkage=16.0)
@@ -536,3 +577,45 @@ def test_recovery_blocks_are_the_fitting_stream_packed_to_the_context():
     text = TextData(blocks, packed, blocks[:2], [], {})
     assert recovery_settings(FinetuneSettings(batch_size=8), text).batch_size == 2  # the same tokens per step
     assert recovery_settings(FinetuneSettings(batch_size=2), text).batch_size == 1
+
+
+class QuadraticLoss(torch.nn.Module):
+    """A stand-in model whose loss on any block is its one weight squared."""
+
+    def __init__(self, weight: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor(weight))
+
+    def forward(self, input_ids, labels=None, use_cache=False):
+        return SimpleNamespace(loss=self.weight.square())
+
+
+def test_a_stage_that_raises_the_held_aside_loss_is_not_kept():
+    """A fitting stage is kept only if it lowers the loss on the blocks held aside; one that raises it is undone
+    (the weights put back exactly), and without such blocks every stage is kept."""
+    model, blocks = QuadraticLoss(2.0), torch.zeros(4, 8, dtype=torch.long)
+    stages = StageSelection(blocks)
+    assert stages.consider("zero-shot", model)
+    model.weight.data.fill_(1.0)
+    assert stages.consider("layer-wise", model)
+    model.weight.data.fill_(3.0)
+    assert not stages.consider("fine-tuned", model)
+    assert model.weight.item() == 1.0 and stages.saved_stage == "layer-wise"
+    assert [row["selection_loss"] for row in stages.rows] == [4.0, 1.0, 9.0]
+    unjudged = StageSelection(blocks[:0])
+    assert unjudged.consider("zero-shot", model) and unjudged.consider("fine-tuned", QuadraticLoss(5.0))
+    assert unjudged.saved_stage == "fine-tuned" and unjudged.rows[-1]["selection_loss"] is None
+
+
+@pytest.mark.parametrize("gate_embedding_dim", [0, 8])
+def test_the_default_conversion_decodes_absorbed_with_the_gate_on_the_latent_or_off(gate_embedding_dim):
+    options = ConversionOptions(
+        kv_lora_rank=8, rope_pairs=2, factorization="weight", gate_embedding_dim=gate_embedding_dim
+    )
+    student = convert_llama_to_egmla(tiny_llama(), options)
+    assert student.config.gate_enabled == (gate_embedding_dim > 0) and not student.config.caches_token_ids
+    assert len(student.model.gate_embeddings) == (student.config.num_hidden_layers if gate_embedding_dim else 0)
+    assert all(layer.self_attn.absorbs for layer in student.model.layers)
+    assert egmla_cost(student.config).path == "absorbed"
+    exact = ConversionOptions(kv_lora_rank=8, rope_mode="exact", factorization="weight")
+    assert egmla_cost(convert_llama_to_egmla(tiny_llama(), exact).config).path == "rebuilt"

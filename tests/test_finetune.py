@@ -195,6 +195,8 @@ def test_finetune_cli_refuses_an_existing_output_and_resumes(tmp_path, capsys):
             "3",
             "--calib-text",
             str(TINYSTORIES),
+            "--steps",
+            "0",
             "--block-size",
             "64",
             "--calib-blocks",

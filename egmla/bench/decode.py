@@ -44,7 +44,9 @@ def filled_cache(model: torch.nn.Module, cache_kind: str, batch_size: int, conte
     """A cache holding `context` random positions per layer, shaped as the model's own (learned from a 2-token
     forward), with random token ids where the model keeps them."""
     generator = torch.Generator().manual_seed(seed)
-    probe = model(torch.randint(0, 100, (batch_size, 2), generator=generator), use_cache=True).cache
+    probe = model(
+        torch.randint(0, min(100, model.config.vocab_size), (batch_size, 2), generator=generator), use_cache=True
+    ).cache
     if cache_kind == "static":
         cache = StaticCache(config=model.config, max_cache_len=context + 8)
     else:

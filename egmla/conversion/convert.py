@@ -34,14 +34,17 @@ class ConversionOptions:
 
     kv_lora_rank: int | None = None  # the latent width
     kv_cut: float | None = None  # or: the fraction of the source's K/V values per token to remove
-    # "exact": the whole key in the latent, rotated when rebuilt; "decoupled": a cached rope key beside the latent;
-    # "auto": the best of both on held-out calibration blocks (egmla.conversion.search), at the same budget.
+    # "decoupled": a cached rope key beside the latent (absorbed decode); "auto": the best rope-key width on held-out
+    # calibration blocks at the same budget (egmla.conversion.search); "exact": the whole key in the latent, rotated
+    # when rebuilt (RoPE kept exactly, but every cached key is rebuilt at every decode step).
     rope_mode: str = "auto"
     rope_keys: str = "shared"  # decoupled: one rope key of principal components for all heads (TransMLA), or "per_head"
     rope_pairs: int | None = None  # decoupled: pairs per rope key; None: head_dim // 4 (shared), head_dim // 16
     pair_selection: str = "rotation"  # contribution x rotation variance (ours), or "norm" (MHA2MLA's 2-norm)
     gate_embedding_dim: int = 32  # width of the gate tables (0 = plain MLA); the gate starts as the identity
-    gate_position: str = "kv"
+    # "latent": the gate scales the latent before it is cached (absorbed decode); "kv": the paper's gate on the
+    # rebuilt K/V (every cached latent re-expanded at every decode step).
+    gate_position: str = "latent"
     factorization: str = "activation"  # whitened and output-weighted (needs calibration), or "weight" (SVD)
     rank_allocation: str = "uniform"  # every layer kv_lora_rank, or "energy" (per-layer ranks, same total)
     damping: float = 1e-2  # added to the covariance before whitening, as a fraction of its mean diagonal

@@ -18,6 +18,7 @@ from ..outputs import atomic_folder, check_output_folder
 from ..text import (
     document_ids,
     document_perplexity,
+    mean_loss,
     packed_blocks,
     perplexity,
     position_buckets,
@@ -28,6 +29,7 @@ from ..text import (
 )
 from ..training import FinetuneSettings, finetune, settings_summary
 from .convert import ConversionOptions, convert_llama_to_egmla, resolve_budget
+from .decode_cost import cost_row, egmla_cost, measure_decode, rebuild_warning, source_cost
 from .gate import fit_gate
 from .reconstruction import ReconstructionSettings, reconstruct_layers
 from .report import print_report, write_finetune_card, write_model_card
@@ -45,6 +47,9 @@ RETROFIT_DEFAULTS = {
     "learning_rate": 2e-4,
     "max_minutes": 7.0,
 }
+# `egmla convert` recovers on the calibration text when one is given (`--steps 0` turns it off): a decoupled rope
+# key loses what only training on text gives back, and a few minutes of it are most of the gain.
+CONVERT_DEFAULTS = {"steps": None, "batch_size": 4, "learning_rate": 2e-4, "max_minutes": 5.0}
 
 
 @dataclass
@@ -65,12 +70,14 @@ class TextSettings:
 
 
 MAX_RECOVERY_BLOCK = 512  # the default recovery length's cap: longer blocks cost more than their tokens on a CPU
+SELECTION_TOKENS = 4096  # at most: fitting text held aside from every stage, to decide which stages are kept
 
 
 @dataclass
 class TextData:
     fit: torch.Tensor
     recovery: torch.Tensor  # the fitting blocks packed to the recovery length
+    selection: torch.Tensor  # fitting text no stage fits on, packed as recovery blocks (never the report's text)
     held_out: torch.Tensor  # blocks [N, block_size], for the evaluations during fine-tuning
     documents: list[torch.Tensor]  # whole held-out documents up to the source's context, for the report
     description: dict = field(default_factory=dict)
@@ -110,7 +117,10 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
     held_out = token_blocks(tokenizer, held_out_documents, settings.block_size)[: settings.eval_blocks]
     documents = document_ids(tokenizer, held_out_documents[: settings.eval_documents], context)
     recovery_length = settings.recovery_block_size or min(context, MAX_RECOVERY_BLOCK)
+    aside = min(-(-SELECTION_TOKENS // fit.shape[1]), len(fit) // 8)
+    fit, selection = fit[: len(fit) - aside], fit[len(fit) - aside :]
     recovery = packed_blocks(fit, recovery_length)
+    selection = packed_blocks(selection, recovery_length) if aside * fit.shape[1] >= recovery_length else selection
     description = {
         "fit_text": fit_source,
         "recovery_block_size": recovery.shape[1],
@@ -118,8 +128,9 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
         "eval_documents": len(documents),
         "eval_tokens": sum(len(document) - 1 for document in documents),
         "eval_context": context,
+        "selection_blocks": len(selection),
     }
-    return TextData(fit, recovery, held_out, documents, description)
+    return TextData(fit, recovery, selection, held_out, documents, description)
 
 
 def held_out_dataset(settings: TextSettings) -> tuple[str, str]:
@@ -133,6 +144,16 @@ def recovery_settings(settings: FinetuneSettings, text: TextData) -> FinetuneSet
     return dataclasses.replace(settings, batch_size=max(1, settings.batch_size // packing))
 
 
+def layer_wise_inputs(
+    calibration: torch.Tensor, text: TextData, settings: ReconstructionSettings
+) -> tuple[torch.Tensor, ReconstructionSettings]:
+    """The layer-wise fit sees the calibration blocks packed to the recovery length (the distances the model must
+    serve), at the same tokens per step."""
+    blocks = packed_blocks(calibration, text.recovery.shape[1])
+    packing = blocks.shape[1] // calibration.shape[1]
+    return blocks, dataclasses.replace(settings, batch_size=max(1, settings.batch_size // packing))
+
+
 def score_documents(models: dict[str, torch.nn.Module], text: TextData) -> dict:
     """Held-out perplexity of each model over whole documents (the report's figures), overall and per position."""
     edges = position_buckets(text.description["eval_context"])
@@ -141,6 +162,33 @@ def score_documents(models: dict[str, torch.nn.Module], text: TextData) -> dict:
         "perplexity": {name: score["perplexity"] for name, score in scores.items()},
         "perplexity_by_position": {name: score["buckets"] for name, score in scores.items()},
     }
+
+
+@dataclass
+class StageSelection:
+    """Never worse than an earlier stage: each fitting stage is kept only if it lowers the next-token loss on the
+    blocks held aside from all fitting; otherwise the model is put back to the best stage so far. Without such
+    blocks (a text of fewer than 8 blocks) every stage is kept, and the report says so."""
+
+    blocks: torch.Tensor
+    rows: list[dict] = field(default_factory=list)
+    best_loss: float = math.inf
+    best_state: dict | None = None
+
+    def consider(self, stage: str, model: torch.nn.Module) -> bool:
+        loss = mean_loss(model, self.blocks) if len(self.blocks) else None
+        kept = loss is None or loss < self.best_loss
+        if kept and loss is not None:
+            self.best_loss = loss
+            self.best_state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        elif not kept:
+            model.load_state_dict(self.best_state)
+        self.rows.append({"stage": stage, "selection_loss": loss, "kept": kept})
+        return kept
+
+    @property
+    def saved_stage(self) -> str:
+        return [row["stage"] for row in self.rows if row["kept"]][-1]
 
 
 def add_scores(scores: dict, more: dict) -> None:
@@ -176,19 +224,26 @@ def run_conversion(job: ConversionJob) -> dict:
     calibration = text.fit[: job.text.calibration_blocks]
     options, candidates, statistics = choose_split(teacher, job.options, calibration)
     student = convert_llama_to_egmla(teacher, options, statistics)
+    warning = rebuild_warning(student.config, teacher.config)
+    if warning:
+        print(warning)
     gate = []
     if job.reconstruction.gate_init == "least_squares":
         gate = fit_gate(student, teacher, calibration, statistics, options, job.reconstruction.gate_shrinkage)
     scores = score_documents({"source": teacher, "zero-shot": student}, text)
-    layers = reconstruct_layers(student, teacher, calibration, job.reconstruction)
+    stages = StageSelection(text.selection)
+    stages.consider("zero-shot", student)
+    layers = reconstruct_layers(student, teacher, *layer_wise_inputs(calibration, text, job.reconstruction))
     if layers:
         add_scores(scores, score_documents({"layer-wise": student}, text))
+        stages.consider("layer-wise", student)
     finetune_summary = None
     if job.finetune is not None:
         settings = recovery_settings(job.finetune, text)
         result = finetune(student, teacher, text.recovery, settings, text.held_out)
         student = result.model
         add_scores(scores, score_documents({"fine-tuned": student}, text))
+        stages.consider("fine-tuned", student)
         finetune_summary = {**result_summary(result), **public_settings(settings)}
 
     report = {
@@ -200,7 +255,14 @@ def run_conversion(job: ConversionJob) -> dict:
         **text.description,
         "kv": kv_report(teacher, student, text.held_out[:2, :32]),
         **scores,
+        "stages": stages.rows,
+        "saved_stage": stages.saved_stage,
         "finetune": finetune_summary,
+        "decode": {
+            "arithmetic": cost_row(egmla_cost(student.config), source_cost(teacher.config)),
+            "source_arithmetic": cost_row(source_cost(teacher.config), source_cost(teacher.config)),
+            "measured": measure_decode(teacher, student),
+        },
     }
     report["card"] = {
         **asdict(metadata),
@@ -279,14 +341,19 @@ def run_finetune(job: FinetuneJob) -> dict:
     teacher, tokenizer = load_llama(job.teacher), load_tokenizer(job.teacher)
     text = prepare_text(teacher, tokenizer, job.text)
     scores = score_documents({"before": student}, text)
+    stages = StageSelection(text.selection)
+    stages.consider("before", student)
     settings = recovery_settings(job.settings, text)
     result = finetune(student, teacher, text.recovery, settings, text.held_out)
     add_scores(scores, score_documents({"after": result.model}, text))
+    stages.consider("after", result.model)
     summary = {
         "student": public_name(job.student),
         "teacher": public_name(job.teacher),
         **text.description,
         **scores,
+        "stages": stages.rows,
+        "saved_stage": stages.saved_stage,
         **result_summary(result),
         "settings": public_settings(settings),
     }
@@ -304,9 +371,10 @@ def run_finetune(job: FinetuneJob) -> dict:
             tokenizer.save_pretrained(staging)
             (staging / "finetune_report.json").write_text(json.dumps(summary, indent=2) + "\n")
             write_finetune_card(staging, summary)
+        kept = "" if stages.saved_stage == "after" else " (not kept: it raised the loss on the blocks held aside)"
         print(
-            f"held-out perplexity {summary['perplexity']['before']:.3f} -> {summary['perplexity']['after']:.3f}; "
-            f"saved {job.out}"
+            f"held-out perplexity {summary['perplexity']['before']:.3f} -> {summary['perplexity']['after']:.3f}"
+            f"{kept}; saved {job.out}"
         )
     state.wait_for_everyone()
     return summary

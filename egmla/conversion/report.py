@@ -47,7 +47,44 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
         value = report.get("perplexity", {}).get(name)
         if source_ppl and value:
             rows.append((f"  {name} vs source", f"{value / source_ppl - 1:+.2%}"))
-    return rows
+    if report.get("stages"):
+        rows.append(("saved stage", stage_summary(report)))
+    return rows + decode_rows(report.get("decode"))
+
+
+def stage_summary(report: dict) -> str:
+    """Which stage the saved model is, and each stage's loss on the blocks held aside from all fitting."""
+    losses = [
+        f"{row['stage']} {row['selection_loss']:.4f}{'' if row['kept'] else ' (not kept)'}"
+        for row in report["stages"]
+        if row["selection_loss"] is not None
+    ]
+    if not losses:
+        return f"{report['saved_stage']} (no blocks held aside to compare stages: every stage kept)"
+    blocks = report.get("selection_blocks")
+    return f"{report['saved_stage']} (loss on {blocks} fitting blocks held aside: {', '.join(losses)})"
+
+
+def decode_rows(decode: dict | None) -> list[tuple[str, str]]:
+    """The decode side: what each cached token costs against the source, and a measured step."""
+    if not decode:
+        return []
+    cost, source = decode["arithmetic"], decode["source_arithmetic"]
+    measured = decode["measured"]
+    cache = measured["cache_bytes_per_token"]
+    ms = measured["ms_per_step"]
+    return [
+        ("cache bytes / token (all layers)", f"{cache['source']:,.0f} -> {cache['converted']:,.0f}"),
+        (
+            "attention per cached token/layer",
+            f"{source['multiply_adds_per_token_per_layer']:,.0f} -> {cost['multiply_adds_per_token_per_layer']:,.0f} "
+            f"multiply-adds ({cost['path']} decode, {cost['multiply_adds_vs_source']:.2f}x the source's)",
+        ),
+        (
+            f"decode ms/step at ({measured['batch']}, {measured['context']})",
+            f"{ms['source']:.1f} -> {ms['converted']:.1f} ({measured['ratio']:.2f}x the source's time)",
+        ),
+    ]
 
 
 def position_table(report: dict) -> str:
@@ -70,12 +107,17 @@ def candidate_table(report: dict) -> str:
     if not rows:
         return ""
     source = rows[0]["perplexity"]
-    lines = ["| split | values/token/layer | perplexity | vs source | decode |", "|---|---|---|---|---|"]
+    lines = [
+        "| split | values/token/layer | perplexity | vs source | multiply-adds/cached token/layer | decode |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in rows[1:]:
         mark = " (chosen)" if row.get("chosen") else ""
+        cost = row["cost"]
         lines.append(
             f"| {row['candidate']}{mark} | {row['values_per_token_per_layer']} | {row['perplexity']:.3f} "
-            f"| {row['perplexity'] / source - 1:+.1%} | {row['decode']} |"
+            f"| {row['perplexity'] / source - 1:+.1%} | {cost['multiply_adds_per_token_per_layer']:,.0f} "
+            f"({cost['multiply_adds_vs_source']:.2f}x) | {row['decode']} |"
         )
     return "\n".join(lines)
 
@@ -84,7 +126,11 @@ def print_report(report: dict) -> None:
     print("\nEG-MLA conversion report")
     print(format_table(report_rows(report)))
     if report.get("candidates"):
-        print(f"\nsplits compared at this budget (source {report['candidates'][0]['perplexity']:.3f}):")
+        source = report["candidates"][0]
+        print(
+            f"\nsplits compared at this budget (source {source['perplexity']:.3f}, "
+            f"{source['cost']['multiply_adds_per_token_per_layer']:,.0f} multiply-adds per cached token per layer):"
+        )
         print(candidate_table(report))
     if report.get("perplexity_by_position"):
         print(f"\nheld-out perplexity by position ({report.get('eval_documents')} whole documents):")
@@ -92,8 +138,10 @@ def print_report(report: dict) -> None:
 
 
 def output_perplexity(report: dict) -> float | None:
-    """The held-out perplexity of the model the folder holds: its last stage's."""
+    """The held-out perplexity of the model the folder holds: its saved stage's (else its last stage's)."""
     scores = report.get("perplexity", {})
+    if report.get("saved_stage"):
+        return scores.get(report["saved_stage"])
     return next((scores[name] for name in ("fine-tuned", "layer-wise", "zero-shot") if scores.get(name)), None)
 
 
@@ -152,8 +200,8 @@ def write_finetune_card(folder: Path, summary: dict) -> None:
     card = summary.get("card", {})
     scores = summary.get("perplexity", {})
     source = card.get("base_model") or summary["teacher"]
-    after = scores.get("after")
-    results = [perplexity_result(after, card.get("eval_dataset"))] if after else None
+    saved = scores.get(summary.get("saved_stage", "after"))
+    results = [perplexity_result(saved, card.get("eval_dataset"))] if saved else None
     rows = "\n".join(f"| {name} | {value:.3f} |" for name, value in scores.items() if value is not None)
     body = f"""
 # EG-MLA retrofit of `{source}`, fine-tuned

@@ -1,39 +1,62 @@
-"""The default split (`rope_mode="auto"`): with only a budget given, convert a few ways at that budget (the RoPE-exact
-latent; a decoupled rope key of a few widths, the latent taking the rest), score each on a held-out slice of the
-calibration blocks, and keep the best. Every candidate's perplexity goes into the report beside the decode path it
-implies, so a user can trade quality for decode speed knowingly."""
+"""The default split (`rope_mode="auto"`): with only a budget given, convert a few absorbable ways at that budget (a
+decoupled rope key of a few widths, the latent taking the rest), score each on a held-out slice of the calibration
+blocks, and keep the best. Every candidate's perplexity goes into the report beside its decode cost against the
+source (values read and multiply-adds per cached token per layer), so a user can trade quality for decode speed
+knowingly. The rebuilding RoPE-exact latent is converted only when asked for by name (`rope_mode="exact"`): it keeps
+RoPE exact but rebuilds every cached key at every step, several times the source's arithmetic."""
 
+import copy
 import dataclasses
 
 import torch
 from transformers import LlamaForCausalLM
 
-from ..text import perplexity
+from ..text import packed_blocks, perplexity
 from .calibration import LayerStatistics, calibrate
 from .convert import ConversionOptions, convert_llama_to_egmla, resolve_budget
+from .decode_cost import cost_row, egmla_cost, source_cost
 
 HELD_OUT_BLOCKS = 8  # at most: a slice of the calibration blocks that the candidates are not fitted on
+LONGEST_SCORED_BLOCK = 512
+# The shares of a cut's values the shared rope key may take (the latent takes the rest). A quarter was best on
+# stories260K (4 pairs, 8 of 32 values) and SmolLM2-135M (16 pairs, 32 of 120 values) alike.
+ROPE_SHARES = (1 / 8, 1 / 4, 3 / 8)
+
+
+def rope_pair_choices(source_config, options: ConversionOptions) -> list[int]:
+    """Pairs of the shared rope key to compare: an eighth, a quarter and three eighths of the cut's values per
+    token per layer; beside a given latent width, head_dim / 16, / 8 and / 4 pairs."""
+    head_dim, key_heads = source_config.head_dim, source_config.num_key_value_heads
+    if options.kv_cut is None:
+        return sorted({max(1, head_dim // 16), max(1, head_dim // 8), max(1, head_dim // 4)})
+    values = round(2 * key_heads * head_dim * (1 - options.kv_cut))
+    pairs = {max(1, round(values * share / 2)) for share in ROPE_SHARES}
+    return sorted(count for count in pairs if count <= key_heads * head_dim // 2 and 2 * count < values)
 
 
 def candidates(teacher: LlamaForCausalLM, options: ConversionOptions) -> list[ConversionOptions]:
-    """The RoPE-exact latent, and one shared rope key of head_dim / 16, / 8 and / 4 pairs (a given mode, or
-    given rope-key flags, leave nothing to choose)."""
+    """One shared rope key of each width of `rope_pair_choices` (a given mode, or given rope-key flags, leave
+    nothing to choose)."""
     if options.rope_mode != "auto":
         return [options]
-    head_dim = teacher.config.head_dim
-    pairs = sorted({max(1, head_dim // 16), max(1, head_dim // 8), max(1, head_dim // 4)})
-    return [dataclasses.replace(options, rope_mode="exact")] + [
-        dataclasses.replace(options, rope_mode="decoupled", rope_pairs=count) for count in pairs
-    ]
+    pairs = rope_pair_choices(teacher.config, options)
+    return [dataclasses.replace(options, rope_mode="decoupled", rope_pairs=count) for count in pairs]
 
 
 def decode_path(options: ConversionOptions) -> str:
     """How a model converted with `options` decodes (what its speed and serving depend on)."""
     if options.rope_mode == "exact":
-        return "re-expansion of every cached latent, keys rotated, each step"
+        return "rebuilt: every cached latent re-expanded, keys rotated, each step"
     if options.gate_position == "kv" and options.gate_embedding_dim > 0:
-        return "re-expansion of every cached latent, each step (gate on K/V)"
-    return "absorbed MQA over [latent ; rope key] (vLLM's MLA layer can serve it)"
+        return "rebuilt: every cached latent re-expanded each step (gate on K/V)"
+    return "absorbed MQA over [latent ; rope key] (vLLM's MLA layer serves it)"
+
+
+def candidate_cost(student, choice: ConversionOptions, teacher: LlamaForCausalLM) -> dict:
+    """The decode cost of `choice` (converted gate-free for the search) with the gate it will really have."""
+    config = copy.deepcopy(student.config)
+    config.gate_embedding_dim, config.gate_position = choice.gate_embedding_dim, choice.gate_position
+    return cost_row(egmla_cost(config), source_cost(teacher.config))
 
 
 def choose_split(
@@ -48,8 +71,11 @@ def choose_split(
         raise ValueError("rope_mode='auto' needs at least 2 calibration blocks (one held out to compare on).")
     held_out_count = max(1, min(HELD_OUT_BLOCKS, len(blocks) // 8))
     fit, held_out = blocks[:-held_out_count], blocks[-held_out_count:]
+    # Scored on blocks as long as the source's context allows (up to 512): partial RoPE loses most at long distances.
+    held_out = packed_blocks(held_out, min(teacher.config.max_position_embeddings, LONGEST_SCORED_BLOCK))
     statistics = calibrate(teacher, fit)
-    rows = [{"candidate": "source", "perplexity": perplexity(teacher, held_out)}]
+    source = source_cost(teacher.config)
+    rows = [{"candidate": "source", "perplexity": perplexity(teacher, held_out), "cost": cost_row(source, source)}]
     for choice in choices:
         budget = resolve_budget(teacher.config, choice)
         student = convert_llama_to_egmla(teacher, dataclasses.replace(choice, gate_embedding_dim=0), statistics)
@@ -62,6 +88,7 @@ def choose_split(
                 "values_per_token_per_layer": budget.values_per_token_per_layer,
                 "perplexity": perplexity(student, held_out),
                 "decode": decode_path(choice),
+                "cost": candidate_cost(student, choice, teacher),
             }
         )
     best = min(range(len(choices)), key=lambda index: rows[index + 1]["perplexity"])

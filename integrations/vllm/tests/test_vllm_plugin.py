@@ -179,8 +179,8 @@ def stories_folders(tmp_path_factory):
                                            factorization="weight"),
         "off-per-head": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", rope_keys="per_head",
                                           gate_embedding_dim=0, factorization="weight"),
-        "kv": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", factorization="weight"),
-        "exact-kv": ConversionOptions(kv_lora_rank=32, rope_mode="exact", factorization="weight"),
+        "kv": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", gate_position="kv", factorization="weight"),
+        "exact-kv": ConversionOptions(kv_lora_rank=32, rope_mode="exact", gate_position="kv", factorization="weight"),
     }.items():  # fmt: skip
         student = convert_llama_to_egmla(teacher, options).eval()
         if (

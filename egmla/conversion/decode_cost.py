@@ -1,0 +1,99 @@
+"""What a converted model costs at decode against its source: per cached token per layer, the values attention reads
+and the multiply-adds it spends on them at every step (arithmetic), and a measured ms/step ratio at one cell.
+
+- The source (Llama, GQA) reads 2 * Hkv * hd values and does 2 * Hq * hd multiply-adds (q.k and p.v per head).
+- The absorbed MQA (decoupled rope key, gate off or on the latent) reads the latent and the rope key once for every
+  head and does Hq * (r + dr + r): a score over [latent ; rope key], a weighted sum of latents.
+- The rebuilding forms (the RoPE-exact latent, the gate on K/V) rebuild every cached key and value for every query
+  head: r * Hq * (dk + dv) multiply-adds, then the attention itself.
+"""
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..bench.decode import decode_state, median_ms
+from ..configuration_egmla import EGMLAConfig
+from ..measure import cache_bytes_per_token
+
+MEASURED_BATCH = 8  # the cell of the measured ratio: batch 8 at the source's context, at most 2048
+MEASURED_CONTEXT = 2048
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    path: str  # "source", "absorbed" or "rebuilt"
+    values_per_token_per_layer: float
+    multiply_adds_per_token_per_layer: float
+
+
+def source_cost(config) -> DecodeCost:
+    """A Llama's attention per cached token per layer."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return DecodeCost("source", 2 * config.num_key_value_heads * head_dim, 2 * config.num_attention_heads * head_dim)
+
+
+def absorbs(config: EGMLAConfig) -> bool:
+    """The absorbed MQA is exact where nothing touches K/V after the latent: a decoupled rope key and the gate off
+    or on the latent (the same rule as `EGMLAAttention.absorbs`)."""
+    return config.rope_mode == "decoupled" and (config.gate_position == "latent" or not config.gate_enabled)
+
+
+def egmla_cost(config: EGMLAConfig) -> DecodeCost:
+    """An EG-MLA model's attention per cached token per layer (latent widths averaged over layers)."""
+    heads = config.num_attention_heads
+    rank = config.kv_cache_values_per_token() / config.num_hidden_layers - config.rope_key_width
+    values = rank + config.rope_key_width
+    rope_dims = 0 if config.rope_mode == "exact" else config.qk_rope_head_dim
+    if absorbs(config):
+        return DecodeCost("absorbed", values, heads * (rank + rope_dims + rank))
+    rebuilt_key = config.qk_nope_head_dim + (config.qk_rope_head_dim if config.rope_mode == "exact" else 0)
+    attention = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+    return DecodeCost("rebuilt", values, rank * heads * (rebuilt_key + config.v_head_dim) + attention)
+
+
+def cost_row(cost: DecodeCost, source: DecodeCost) -> dict:
+    """The cost and its ratios to the source's, as the report stores them."""
+    return {
+        **asdict(cost),
+        "values_vs_source": cost.values_per_token_per_layer / source.values_per_token_per_layer,
+        "multiply_adds_vs_source": cost.multiply_adds_per_token_per_layer / source.multiply_adds_per_token_per_layer,
+    }
+
+
+def rebuild_warning(config: EGMLAConfig, source_config) -> str | None:
+    """One line for a user who asked for a rebuilding form: what it costs at decode against the source."""
+    cost, source = egmla_cost(config), source_cost(source_config)
+    if cost.path != "rebuilt":
+        return None
+    why = "rope_mode='exact'" if config.rope_mode == "exact" else "the gate on K/V (gate_position='kv')"
+    return (
+        f"note: {why} rebuilds every cached key and value for every query head at every decode step: "
+        f"{cost.multiply_adds_per_token_per_layer:,.0f} multiply-adds per cached token per layer against the "
+        f"source's {source.multiply_adds_per_token_per_layer:,.0f}, so it decodes slower than its source; the "
+        "absorbed default (decoupled rope key, gate on the latent or off) does not."
+    )
+
+
+@torch.no_grad()
+def measure_decode(teacher: torch.nn.Module, student: torch.nn.Module, repetitions: int = 3) -> dict:
+    """ms per decode step of the source and the converted model on their default paths, interleaved in this process,
+    at batch 8 and the source's context (at most 2048), over caches filled with random contents (a step costs the
+    same whatever the cache holds); and the cache bytes per token (all layers) of real `generate` calls."""
+    context = min(MEASURED_CONTEXT, teacher.config.max_position_embeddings - 8)
+    states = {
+        "source": decode_state(teacher, "dynamic", MEASURED_BATCH, context),
+        "converted": decode_state(student, "dynamic", MEASURED_BATCH, context),
+    }
+    ms = median_ms(states, repetitions, steps=2)
+    probe = torch.randint(0, teacher.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    return {
+        "batch": MEASURED_BATCH,
+        "context": context,
+        "ms_per_step": ms,
+        "ratio": ms["converted"] / ms["source"],
+        "cache_bytes_per_token": {
+            "source": cache_bytes_per_token(teacher, probe, new_tokens=4),
+            "converted": cache_bytes_per_token(student, probe, new_tokens=4),
+        },
+    }
