@@ -555,7 +555,7 @@ def test_the_fitted_gate_lowers_held_out_perplexity_on_stories260k(stories):
     from egmla.conversion.gate import fit_gate
 
     teacher, calibration = stories["teacher"], stories["calibration"]
-    options = ConversionOptions(kv_cut=0.5, rope_mode="exact", gate_position="kv")
+    options = ConversionOptions(kv_cut=0.5, rope_mode="exact", gate_embedding_dim=32, gate_position="kv")
     statistics = calibrate(teacher, calibration)
     identity, fitted = (convert_llama_to_egmla(teacher, options, statistics) for _ in range(2))
     rows = fit_gate(fitted, teacher, calibration, statistics, options, shrinkage=16.0)

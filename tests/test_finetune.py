@@ -133,10 +133,11 @@ def test_retrofit_end_to_end_on_stories260k(tmp_path):
     assert report["kv"] == {
         "source": 64.0,
         "converted": 32.0,
-        "converted_token_id_bytes": 8.0,
+        "converted_token_id_bytes": 0.0,  # the gate on the latent: no ids to cache
         "converted_position_bytes": 0.0,
     }
     assert report["perplexity"]["fine-tuned"] < report["perplexity"]["zero-shot"]
+    assert [row["stage"] for row in report["stages"]] == ["zero-shot", "layer-wise", "fine-tuned"]
     assert report["finetune"]["steps_done"] == 5 and report["sample"].startswith("Once upon a time")
 
 

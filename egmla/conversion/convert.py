@@ -41,7 +41,10 @@ class ConversionOptions:
     rope_keys: str = "shared"  # decoupled: one rope key of principal components for all heads (TransMLA), or "per_head"
     rope_pairs: int | None = None  # decoupled: pairs per rope key; None: head_dim // 4 (shared), head_dim // 16
     pair_selection: str = "rotation"  # contribution x rotation variance (ours), or "norm" (MHA2MLA's 2-norm)
-    gate_embedding_dim: int = 32  # width of the gate tables (0 = plain MLA); the gate starts as the identity
+    # Width of the gate tables; 0 (plain MLA, absorbed) by default: at the same budget the gate on the latent changed
+    # held-out perplexity by less than 0.1% (stories260K, 50% cut, measured with recovery) for 54% more parameters.
+    # The gate starts as the identity.
+    gate_embedding_dim: int = 0
     # "latent": the gate scales the latent before it is cached (absorbed decode); "kv": the paper's gate on the
     # rebuilt K/V (every cached latent re-expanded at every decode step).
     gate_position: str = "latent"

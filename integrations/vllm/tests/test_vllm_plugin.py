@@ -175,12 +175,14 @@ def stories_folders(tmp_path_factory):
     teacher = load_llama(STORIES260K)
     folders = {}
     for name, options in {
-        "latent-shared": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", gate_position="latent",
+        "latent-shared": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", gate_embedding_dim=32, gate_position="latent",
                                            factorization="weight"),
         "off-per-head": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", rope_keys="per_head",
                                           gate_embedding_dim=0, factorization="weight"),
-        "kv": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", gate_position="kv", factorization="weight"),
-        "exact-kv": ConversionOptions(kv_lora_rank=32, rope_mode="exact", gate_position="kv", factorization="weight"),
+        "kv": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", gate_embedding_dim=32, gate_position="kv",
+                                factorization="weight"),
+        "exact-kv": ConversionOptions(kv_lora_rank=32, rope_mode="exact", gate_embedding_dim=32, gate_position="kv",
+                                      factorization="weight"),
     }.items():  # fmt: skip
         student = convert_llama_to_egmla(teacher, options).eval()
         if (
