@@ -163,7 +163,7 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
         "--steps",
         type=int,
         default=FinetuneSettings.steps,
-        help="optimizer steps (retrofit: what fits in --max-minutes)",
+        help="optimizer steps (default for retrofit and convert: what fits in --max-minutes; 0: no recovery)",
     )
     parser.add_argument("--batch-size", type=int, default=FinetuneSettings.batch_size)
     parser.add_argument("--learning-rate", "--lr", type=float, default=FinetuneSettings.learning_rate)

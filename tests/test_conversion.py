@@ -574,7 +574,7 @@ def test_recovery_blocks_are_the_fitting_stream_packed_to_the_context():
     assert packed_blocks(blocks, 8) is blocks and packed_blocks(blocks, 4) is blocks
     with pytest.raises(ValueError, match="fewer than one block of 128"):
         packed_blocks(blocks, 128)
-    text = TextData(blocks, packed, blocks[:2], [], {})
+    text = TextData(fit=blocks, recovery=packed, selection=blocks[:0], held_out=blocks[:2], documents=[])
     assert recovery_settings(FinetuneSettings(batch_size=8), text).batch_size == 2  # the same tokens per step
     assert recovery_settings(FinetuneSettings(batch_size=2), text).batch_size == 1
 

@@ -54,6 +54,8 @@ def filled_cache(model: torch.nn.Module, cache_kind: str, batch_size: int, conte
     per_token = getattr(cache.layers[0], "append_per_token", None)
     if per_token is not None and probe.layers[0].token_ids is not None:
         per_token("token_ids", torch.randint(0, model.config.vocab_size, (batch_size, context), generator=generator))
+    if per_token is not None and probe.layers[0].positions is not None:  # rebuilt keys turn by their positions
+        per_token("positions", torch.arange(context).expand(batch_size, context))
     for layer_idx, layer in enumerate(probe.layers):
         keys = torch.randn(*layer.keys.shape[:2], context, layer.keys.shape[-1], generator=generator)
         values = torch.randn(*layer.values.shape[:2], context, layer.values.shape[-1], generator=generator)

@@ -49,7 +49,10 @@ def egmla_cost(config: EGMLAConfig) -> DecodeCost:
         return DecodeCost("absorbed", values, heads * (rank + rope_dims + rank))
     rebuilt_key = config.qk_nope_head_dim + (config.qk_rope_head_dim if config.rope_mode == "exact" else 0)
     attention = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
-    return DecodeCost("rebuilt", values, rank * heads * (rebuilt_key + config.v_head_dim) + attention)
+    rebuild = rank * heads * (rebuilt_key + config.v_head_dim)
+    if config.gate_enabled and config.gate_position == "kv":  # the gate of every cached token, made again
+        rebuild += config.gate_embedding_dim * heads * (rebuilt_key + config.v_head_dim)
+    return DecodeCost("rebuilt", values, rebuild + attention)
 
 
 def cost_row(cost: DecodeCost, source: DecodeCost) -> dict:

@@ -149,7 +149,8 @@ def layer_wise_inputs(
 ) -> tuple[torch.Tensor, ReconstructionSettings]:
     """The layer-wise fit sees the calibration blocks packed to the recovery length (the distances the model must
     serve), at the same tokens per step."""
-    blocks = packed_blocks(calibration, text.recovery.shape[1])
+    length = text.recovery.shape[1]
+    blocks = packed_blocks(calibration, length) if calibration.numel() >= length else calibration
     packing = blocks.shape[1] // calibration.shape[1]
     return blocks, dataclasses.replace(settings, batch_size=max(1, settings.batch_size // packing))
 
@@ -177,10 +178,15 @@ class StageSelection:
 
     def consider(self, stage: str, model: torch.nn.Module) -> bool:
         loss = mean_loss(model, self.blocks) if len(self.blocks) else None
-        kept = loss is None or loss < self.best_loss
+        if loss is not None and not math.isfinite(loss):
+            loss = math.inf
+        kept = loss is None or self.best_state is None or loss < self.best_loss
         if kept and loss is not None:
             self.best_loss = loss
-            self.best_state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+            # On the host: the accelerator holds the model being fitted, not its copies.
+            self.best_state = {
+                name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()
+            }
         elif not kept:
             model.load_state_dict(self.best_state)
         self.rows.append({"stage": stage, "selection_loss": loss, "kept": kept})

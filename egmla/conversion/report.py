@@ -145,6 +145,14 @@ def output_perplexity(report: dict) -> float | None:
     return next((scores[name] for name in ("fine-tuned", "layer-wise", "zero-shot") if scores.get(name)), None)
 
 
+def gate_words(report: dict) -> str:
+    """What the card says of the embedding gate, from the conversion options."""
+    options = report.get("options", {})
+    if not options.get("gate_embedding_dim"):
+        return "the embedding gate off: plain MLA"
+    return f"the embedding gate on the {'rebuilt K/V' if options['gate_position'] == 'kv' else 'latent'}"
+
+
 def write_model_card(folder: Path, report: dict) -> None:
     """README.md (a Hub model card made by huggingface_hub, its metadata from `report["card"]`) and
     conversion_report.json in the output folder."""
@@ -160,9 +168,9 @@ def write_model_card(folder: Path, report: dict) -> None:
     body = f"""
 # EG-MLA retrofit of `{source}`
 
-This model is `{source}` converted by [egmla](https://pypi.org/project/egmla/) into Embedding-Gated
-Multi-head Latent Attention (arXiv 2509.16686): its K/V cache holds only a low-rank latent and a few rotary key
-dims per token.
+This model is `{source}` converted by [egmla](https://pypi.org/project/egmla/) into Multi-head Latent
+Attention (EG-MLA, arXiv 2509.16686, {gate_words(report)}): its K/V cache holds only a low-rank latent and a few
+rotary key dims per token.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -207,7 +215,8 @@ def write_finetune_card(folder: Path, summary: dict) -> None:
 # EG-MLA retrofit of `{source}`, fine-tuned
 
 The EG-MLA model `{summary["student"]}` (converted from `{source}` by [egmla](https://pypi.org/project/egmla/))
-recovered by distillation from `{summary["teacher"]}` for {summary["steps_done"]} steps.
+fine-tuned by distillation from `{summary["teacher"]}` for {summary["steps_done"]} steps; saved: the
+{summary.get("saved_stage", "after")} stage (a stage is kept only if it lowers the loss on fitting text held aside).
 
 ```python
 from transformers import AutoModelForCausalLM

@@ -40,6 +40,11 @@ def candidates(teacher: LlamaForCausalLM, options: ConversionOptions) -> list[Co
     if options.rope_mode != "auto":
         return [options]
     pairs = rope_pair_choices(teacher.config, options)
+    if not pairs:
+        raise ValueError(
+            f"A {options.kv_cut:.2%} cut leaves no room for a rope key beside a latent: lower kv_cut, or choose "
+            "rope_mode='exact'."
+        )
     return [dataclasses.replace(options, rope_mode="decoupled", rope_pairs=count) for count in pairs]
 
 
@@ -72,7 +77,8 @@ def choose_split(
     held_out_count = max(1, min(HELD_OUT_BLOCKS, len(blocks) // 8))
     fit, held_out = blocks[:-held_out_count], blocks[-held_out_count:]
     # Scored on blocks as long as the source's context allows (up to 512): partial RoPE loses most at long distances.
-    held_out = packed_blocks(held_out, min(teacher.config.max_position_embeddings, LONGEST_SCORED_BLOCK))
+    length = min(teacher.config.max_position_embeddings, LONGEST_SCORED_BLOCK)
+    held_out = packed_blocks(held_out, length) if held_out.numel() >= length else held_out
     statistics = calibrate(teacher, fit)
     source = source_cost(teacher.config)
     rows = [{"candidate": "source", "perplexity": perplexity(teacher, held_out), "cost": cost_row(source, source)}]

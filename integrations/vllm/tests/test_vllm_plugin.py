@@ -168,8 +168,8 @@ def test_bfloat16_serving_stays_near_float32(vllm_python, tmp_path, name):
 @pytest.fixture(scope="module")
 def stories_folders(tmp_path_factory):
     """stories260K (real weights) converted four ways: the gate on the latent with one shared rope key, plain MLA
-    with one rope key per KV head (4), the gate on K/V (the retrofit's default position), and the RoPE-exact latent
-    with the gate on K/V (the retrofit's usual choice); closed-form conversions, seconds each, the gate on K/V made
+    with one rope key per KV head (4), the gate on K/V (the paper's form), and the RoPE-exact latent with the gate
+    on K/V (the rebuilding form); closed-form conversions, seconds each, the gate on K/V made
     non-trivial by random W^{UE}."""
     needs_shared(STORIES260K)
     teacher = load_llama(STORIES260K)
