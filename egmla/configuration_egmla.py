@@ -167,6 +167,12 @@ class EGMLAConfig(PreTrainedConfig):
         return 0 if self.rope_mode == "exact" else self.rope_key_heads * self.qk_rope_head_dim
 
     @property
+    def absorbs(self) -> bool:
+        """Decode by the absorbed MQA over the latent: exact where nothing touches K/V after the latent (a decoupled
+        rope key, and the gate off or on the latent)."""
+        return self.rope_mode == "decoupled" and (self.gate_position == "latent" or not self.gate_enabled)
+
+    @property
     def num_gate_tables(self) -> int:
         return self.num_hidden_layers // self.gate_layers_per_table if self.gate_enabled else 0
 

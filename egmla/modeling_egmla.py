@@ -557,7 +557,7 @@ class EGMLAAttention(nn.Module):
         self.gate_position = config.gate_position
         # Decoding can fold W^{UK} into the query and attend over the cached latent itself (MQA) when no gate sits
         # between the cache and the keys and no rebuilt key must be rotated.
-        self.absorbs = self.rope_mode == "decoupled" and (self.gate_position == "latent" or not config.gate_enabled)
+        self.absorbs = config.absorbs
         self.attention_dropout = config.attention_dropout
         self.scaling = attention_scaling(config)
         self.is_causal = True

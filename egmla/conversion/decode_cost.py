@@ -33,19 +33,13 @@ def source_cost(config) -> DecodeCost:
     return DecodeCost("source", 2 * config.num_key_value_heads * head_dim, 2 * config.num_attention_heads * head_dim)
 
 
-def absorbs(config: EGMLAConfig) -> bool:
-    """The absorbed MQA is exact where nothing touches K/V after the latent: a decoupled rope key and the gate off
-    or on the latent (the same rule as `EGMLAAttention.absorbs`)."""
-    return config.rope_mode == "decoupled" and (config.gate_position == "latent" or not config.gate_enabled)
-
-
 def egmla_cost(config: EGMLAConfig) -> DecodeCost:
     """An EG-MLA model's attention per cached token per layer (latent widths averaged over layers)."""
     heads = config.num_attention_heads
-    rank = config.kv_cache_values_per_token() / config.num_hidden_layers - config.rope_key_width
-    values = rank + config.rope_key_width
+    values = config.kv_cache_values_per_token() / config.num_hidden_layers
+    rank = values - config.rope_key_width
     rope_dims = 0 if config.rope_mode == "exact" else config.qk_rope_head_dim
-    if absorbs(config):
+    if config.absorbs:
         return DecodeCost("absorbed", values, heads * (rank + rope_dims + rank))
     rebuilt_key = config.qk_nope_head_dim + (config.qk_rope_head_dim if config.rope_mode == "exact" else 0)
     attention = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
