@@ -9,7 +9,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .bench import decode, figure, kv, train
+from .bench import converted, decode, figure, kv, train
 from .conversion import ConversionOptions
 from .conversion.pipeline import (
     CONVERT_DEFAULTS,
@@ -48,7 +48,13 @@ def add_text_options(parser: argparse.ArgumentParser) -> None:
         help="held-out text (default: the last 10%% of the fitting text, or the embedded excerpt)",
     )
     parser.add_argument(
-        "--block-size", type=int, default=TextSettings.block_size, help="tokens per calibration (and sampled) block"
+        "--block-size", type=int, default=TextSettings.block_size, help="tokens per block cut from the fitting text"
+    )
+    parser.add_argument(
+        "--sampled-block-size",
+        type=int,
+        default=TextSettings.sampled_block_size,
+        help="tokens per block sampled from the source when no text is given",
     )
     parser.add_argument(
         "--recovery-block-size",
@@ -259,6 +265,22 @@ def write_json(path: Path, result: dict) -> None:
     staging.replace(path)
 
 
+def converted_bench(args: argparse.Namespace) -> "converted.ConvertedBench":
+    if len(args.models) < 2:
+        raise ValueError("bench converted needs the source and at least one converted folder: SRC OUT [OUT ...]")
+    cells = converted.CELLS
+    if args.cells:
+        try:
+            cells = tuple(tuple(int(part) for part in cell.lower().split("x")) for cell in args.cells)
+        except ValueError:
+            raise ValueError(f"--cells takes BATCHxCONTEXT pairs such as 8x2048, got {args.cells}") from None
+    text = args.train_text or converted.ConvertedBench.text
+    repetitions = args.repetitions or converted.ConvertedBench.repetitions
+    return converted.ConvertedBench(
+        args.models[0], args.models[1:], cells, text, repetitions, compiled=not args.no_compile
+    )
+
+
 def bench_command(args: argparse.Namespace) -> None:
     results = args.results if not args.quick or args.results != Path("benchmarks/results") else Path("runs/bench-quick")
     if args.panel == "figure":
@@ -266,7 +288,10 @@ def bench_command(args: argparse.Namespace) -> None:
         print(markdown.read_text())
         print(f"wrote {png} and {markdown}")
         return
-    if args.panel == "kv":
+    if args.panel == "converted":
+        result = converted.run_converted(converted_bench(args))
+        converted.print_converted(result)
+    elif args.panel == "kv":
         result = kv.run_kv(quick=args.quick)
         kv.print_kv(result)
     elif args.panel == "decode":
@@ -274,7 +299,7 @@ def bench_command(args: argparse.Namespace) -> None:
             quick=args.quick,
             contexts=tuple(args.contexts),
             batches=tuple(args.batches),
-            repetitions=args.repetitions,
+            repetitions=args.repetitions or 5,
             budget_mib=args.budget_mib,
         )
         decode.print_decode(result)
@@ -385,15 +410,30 @@ def add_quickstart(commands) -> None:
 
 
 def add_bench(commands) -> None:
-    bench = commands.add_parser("bench", help="the paper's figure at small scale: kv, decode, train, figure")
-    bench.add_argument("panel", choices=["kv", "decode", "train", "figure"])
+    bench = commands.add_parser(
+        "bench", help="the paper's figure at small scale (kv, decode, train, figure); a conversion against its source"
+    )
+    bench.add_argument("panel", choices=["kv", "decode", "train", "figure", "converted"])
+    bench.add_argument("models", nargs="*", help="converted: the source, then one or more converted folders")
+    bench.add_argument(
+        "--cells", nargs="+", default=None, help="converted: BATCHxCONTEXT cells (default 1x512 1x2048 8x2048 8x4096)"
+    )
+    bench.add_argument("--no-compile", action="store_true", help="converted: default paths only")
     bench.add_argument("--results", type=Path, default=Path("benchmarks/results"), help="JSON results folder")
     bench.add_argument("--quick", action="store_true", help="toy sizes, seconds (what the tests run)")
     bench.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096], help="decode: context lengths")
     bench.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode: batch sizes")
-    bench.add_argument("--repetitions", type=int, default=5, help="decode: interleaved repetitions")
+    bench.add_argument(
+        "--repetitions", type=int, default=None, help="decode, converted: interleaved repetitions (default 5, 3)"
+    )
     bench.add_argument("--budget-mib", type=float, default=64, help="decode: cache budget for the tokens/s table")
-    bench.add_argument("--train-text", "--text", type=Path, default=None, help="train: documents (default: shared)")
+    bench.add_argument(
+        "--train-text",
+        "--text",
+        type=Path,
+        default=None,
+        help="train: documents (default: shared); converted: the contexts' text (default: the embedded excerpt)",
+    )
     bench.add_argument("--steps", type=int, default=None, help="train: steps per run")
     bench.set_defaults(handler=bench_command)
 

@@ -163,7 +163,11 @@ def document_perplexity(
         ids = torch.nn.utils.rnn.pad_sequence(batch, batch_first=True, padding_value=0).to(device)
         mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(d) for d in batch], batch_first=True).to(device)
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").cpu()
+        # over rows of [B*T, V]: the [B, V, T] layout of a transposed view is several times slower on a CPU
+        losses = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+        )
+        losses = losses.view(ids.shape[0], -1).cpu()
         valid = mask[:, 1:].bool().cpu()
         positions = torch.arange(1, ids.shape[1]).expand_as(valid)  # the position of each predicted token
         bucket = torch.bucketize(positions.contiguous(), torch.tensor(edges[1:-1]), right=True)

@@ -2,8 +2,11 @@
 
 import json
 
+import torch
+
 from egmla.bench.decode import VARIANTS
 from egmla.cli import main
+from tests.utils import MODES, STORIES260K, tiny_model
 
 
 def test_bench_quick_mode_measures_every_panel_and_draws_the_figure(tmp_path, capsys):
@@ -47,3 +50,51 @@ def test_bench_quick_mode_measures_every_panel_and_draws_the_figure(tmp_path, ca
     capsys.readouterr()
     main(["bench", "train", "--quick", "--results", str(results)])
     assert "cached in" in capsys.readouterr().out
+
+
+def test_bench_converted_times_a_conversion_against_its_source(tmp_path, capsys):
+    """`egmla bench converted SRC OUT`: both models continue the same text in every cell, on their default path and
+    compiled over a static cache holding the same contents; the budget fits more sequences of the smaller cache."""
+    from egmla.conversion import ConversionOptions, convert_llama_to_egmla
+    from egmla.conversion.source import load_llama
+
+    source = load_llama(STORIES260K)
+    out = tmp_path / "stories-absorbed"
+    convert_llama_to_egmla(
+        source, ConversionOptions(kv_cut=0.5, rope_mode="decoupled", rope_pairs=2, factorization="weight")
+    ).save_pretrained(out)
+    results = tmp_path / "results"
+    main(["bench", "converted", str(STORIES260K), str(out), "--cells", "1x32", "2x48", "2x40", "--repetitions", "1",
+          "--results", str(results)])  # fmt: skip
+    result = json.loads((results / "converted.json").read_text())
+    assert [(row["batch"], row["context"]) for row in result["grid"]] == [(1, 32), (2, 48), (2, 40)]
+    for row in result["grid"]:
+        assert set(row["ms_per_step"]) == {
+            "source",
+            "source, compiled static",
+            out.name,
+            f"{out.name}, compiled static",
+        }
+        assert all(ms > 0 for ms in row["ms_per_step"].values())
+    budget = result["budget"]["models"]
+    assert result["budget"]["context"] == 40 and budget["source"]["sequences"] == 2
+    assert budget[out.name]["cache_bytes_per_token"] == budget["source"]["cache_bytes_per_token"] / 2
+    assert budget[out.name]["sequences"] == 4  # half the bytes per token: twice the sequences
+    assert "ratio to the source's default path" in capsys.readouterr().out
+
+
+def test_the_benchmarks_static_copy_continues_like_the_dynamic_cache():
+    """The compiled column times the same step: a static cache copied from a prefilled dynamic one gives the same
+    next-token logits (every gate and rope mode keeps its ids and positions through the copy)."""
+    from egmla.bench.converted import prefilled, static_copy
+
+    for mode, overrides in MODES.items():
+        model = tiny_model(**overrides).eval()
+        rows = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+        dynamic = prefilled(model, rows[:, :-1])
+        static = static_copy(model, dynamic)
+        position = torch.full((2, 1), 11)
+        with torch.no_grad():
+            expected = model(rows[:, -1:], cache=dynamic, position_ids=position).logits
+            got = model(rows[:, -1:], cache=static, position_ids=position).logits
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=mode)

@@ -338,6 +338,9 @@ def test_cli_flags_are_the_field_names_and_the_old_spellings_still_parse():
     )
     retrofit = parse(["retrofit", "--kv-lora-rank", "24"])  # a latent width replaces the job's default cut
     assert conversion_options(retrofit) == ConversionOptions(kv_lora_rank=24)
+    # the main job samples short blocks when data-free; text given to it is cut like `convert`'s
+    retrofit_text = from_args(TextSettings, retrofit)
+    assert retrofit_text.sampled_block_size == 128 and retrofit_text.block_size == TextSettings.block_size
     with pytest.raises(SystemExit, match="exactly one of kv_lora_rank and kv_cut"):
         main(["convert", "SRC", "--out", str(Path("never-written"))])
     assert not Path("never-written").exists()

@@ -28,6 +28,7 @@ from ..text import (
     token_blocks,
 )
 from ..training import FinetuneSettings, finetune, settings_summary
+from .calibration import FITTED_CONTEXT
 from .convert import ConversionOptions, convert_llama_to_egmla, resolve_budget
 from .decode_cost import cost_row, egmla_cost, measure_decode, rebuild_warning, source_cost
 from .gate import fit_gate
@@ -40,7 +41,7 @@ from .source import load_llama, load_tokenizer, split_gguf
 # finish within 15 minutes on 2 CPU cores (recovery takes as many steps as fit in its 7 minutes).
 RETROFIT_DEFAULTS = {
     "kv_cut": 0.6875,
-    "block_size": 128,
+    "sampled_block_size": 128,
     "sampled_blocks": 128,
     "steps": None,
     "batch_size": 4,
@@ -58,7 +59,8 @@ class TextSettings:
 
     train_text: Path | None = None  # calibration and distillation; None = sampled from the source
     eval_text: Path | None = None  # held out; None = the last 10% of train_text, else the embedded excerpt
-    block_size: int = 256  # of the calibration (and sampled) blocks
+    block_size: int = 256  # of the calibration blocks cut from the fitting text
+    sampled_block_size: int = 256  # of the blocks sampled from the source when no text is given
     # Recovery trains on the fitting blocks packed up to this length (None: the source's context, at most 512 on a
     # CPU), at the same tokens per step: the fitted length is what a model is good at.
     recovery_block_size: int | None = None
@@ -69,7 +71,7 @@ class TextSettings:
     seed: int = 0
 
 
-MAX_RECOVERY_BLOCK = 512  # the default recovery length's cap: longer blocks cost more than their tokens on a CPU
+MAX_RECOVERY_BLOCK = FITTED_CONTEXT  # the default recovery length: longer blocks cost more than their tokens on a CPU
 SELECTION_TOKENS = 4096  # at most: fitting text held aside from every stage, to decide which stages are kept
 
 
@@ -109,8 +111,9 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
         fit = token_blocks(tokenizer, documents, settings.block_size)
         fit_source = public_name(settings.train_text)
     else:
-        fit = sample_blocks(teacher, tokenizer, settings.sampled_blocks, settings.block_size, seed=settings.seed)
-        fit_source = f"{settings.sampled_blocks} x {settings.block_size} tokens sampled from the source (data-free)"
+        size = settings.sampled_block_size
+        fit = sample_blocks(teacher, tokenizer, settings.sampled_blocks, size, seed=settings.seed)
+        fit_source = f"{settings.sampled_blocks} x {size} tokens sampled from the source (data-free)"
         eval_path = settings.eval_text or EXCERPT
         held_out_documents = read_documents(eval_path)
         eval_source = public_name(eval_path)
