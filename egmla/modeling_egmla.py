@@ -443,14 +443,22 @@ def is_latent_cache_layer(layer) -> bool:
     return getattr(layer, "_layer_type", None) == EGMLA_LAYER_TYPE
 
 
-def cache_nbytes(cache: Cache) -> int:
-    """Bytes of every tensor a cache holds (latents, rope keys, token ids, positions; keys/values of any other
-    layer)."""
-    total = 0
+def cache_nbytes(cache: Cache, allocated: bool = False) -> int:
+    """Bytes a cache holds for the positions in use: latents, rope keys, token ids, positions (keys and values of
+    any other layer). `allocated=True`: the bytes of the storage behind them, spare room included (a static cache's
+    whole length; the up to GROWTH_CHUNK - 1 spare positions of a dynamic latent layer)."""
+    total, storages = 0, set()
     for layer in cache.layers:
-        per_token = (getattr(layer, name) for name in getattr(layer, "PER_TOKEN", ()))
-        tensors = (layer.keys, layer.values, *per_token)
-        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        length = int(layer.get_seq_length())
+        per_token = [(getattr(layer, name), -1) for name in getattr(layer, "PER_TOKEN", ())]
+        for tensor, position_dim in [(layer.keys, -2), (layer.values, -2), *per_token]:
+            if tensor is None or tensor.numel() == 0:
+                continue
+            if not allocated:
+                total += tensor.numel() // tensor.shape[position_dim] * length * tensor.element_size()
+            elif tensor.untyped_storage().data_ptr() not in storages:
+                storages.add(tensor.untyped_storage().data_ptr())
+                total += tensor.untyped_storage().nbytes()
     return total
 
 

@@ -452,7 +452,8 @@ def test_static_cache_holds_the_arithmetic_for_its_preallocated_length():
     with torch.no_grad():
         model(torch.randint(3, 128, (2, 9)), cache=cache)
     latent_bytes = 4 * sum(model.config.layer_kv_lora_rank(layer) for layer in range(model.config.num_hidden_layers))
-    assert cache_nbytes(cache) == 2 * 40 * (latent_bytes + 8 + 8)  # fp32 latents; int64 ids and positions
+    assert cache_nbytes(cache, allocated=True) == 2 * 40 * (latent_bytes + 8 + 8)  # fp32 latents; int64 ids, positions
+    assert cache_nbytes(cache) == 2 * 9 * (latent_bytes + 8 + 8)  # the 9 positions in use
     assert int(cache.get_seq_length()) == 9
 
 
@@ -549,13 +550,8 @@ def test_the_dynamic_latent_cache_grows_by_chunks_not_by_copying_every_step():
         cache.reorder_cache(torch.tensor([1, 0]))  # a new tensor: the next step moves to a new storage
         model(input_ids[:, :1], cache=cache)
         assert layer.keys.shape[2] == 11 and torch.equal(layer.keys, layer.storage[0][:, :, :11])
-    assert (
-        cache_nbytes(cache)
-        == 11
-        * 2
-        * 4
-        * sum(  # what the cache holds for its tokens, not its spare room
-            model.config.layer_kv_lora_rank(index) + model.config.rope_key_width for index in range(2)
-        )
-        + 11 * 2 * 8 * model.config.caches_token_ids
-    )
+    per_position = 2 * 4 * sum(model.config.layer_kv_lora_rank(i) + model.config.rope_key_width for i in range(2))
+    ids = 2 * 8 * model.config.caches_token_ids  # int64 ids of 2 rows, kept once
+    assert cache_nbytes(cache) == 11 * (per_position + ids)  # what the cache holds for its tokens
+    # and what it allocated: each layer's storage of a whole chunk (the ids are concatenated, exact)
+    assert cache_nbytes(cache, allocated=True) == layer.GROWTH_CHUNK * per_position + 11 * ids
