@@ -146,6 +146,7 @@ def measure_budget(models: dict, budget: dict, bench: ConvertedBench) -> dict:
 def run_converted(bench: ConvertedBench) -> dict:
     models = load_models(bench)
     grid, budget = measure_cells(models, bench)
+    grid.sort(key=lambda row: (row["batch"], row["context"]))  # measured longest first per batch, shown in order
     result = {"source": bench.source, "converted": bench.converted, "text": str(bench.text), "grid": grid,
               "threads": torch.get_num_threads(), "repetitions": bench.repetitions, "steps": bench.steps}  # fmt: skip
     if budget:
