@@ -20,7 +20,7 @@ from ..conversion.source import load_llama, load_tokenizer
 from ..data import EXCERPT
 from ..modeling_egmla import cache_nbytes
 from ..text import read_documents, token_blocks
-from .decode import DecodeState, median_ms
+from .decode import DecodeState, median_ms, ratio_grid
 
 CELLS = ((1, 512), (1, 2048), (8, 2048), (8, 4096))
 
@@ -156,13 +156,7 @@ def run_converted(bench: ConvertedBench) -> dict:
 
 def converted_table(result: dict) -> list[str]:
     """The grid as markdown: ms/step and the ratio to the source's default path in each cell."""
-    columns = list(result["grid"][0]["ms_per_step"])
-    lines = ["| batch | context | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
-    for row in result["grid"]:
-        ms, source = row["ms_per_step"], row["ms_per_step"]["source"]
-        cells = [f"{ms[column]:.1f} ({ms[column] / source:.2f}x)" for column in columns]
-        lines.append(f"| {row['batch']} | {row['context']} | " + " | ".join(cells) + " |")
-    return lines
+    return ratio_grid(result["grid"], "ms_per_step", "source")
 
 
 def print_converted(result: dict) -> None:

@@ -159,15 +159,22 @@ def run_decode(
     }
 
 
+def ratio_grid(grid: list[dict], key: str, baseline: str, label=str) -> list[str]:
+    """Markdown rows of (batch, context) cells: each column's ms and its ratio to the `baseline` column's."""
+    columns = list(grid[0][key])
+    lines = ["| batch | context | " + " | ".join(label(column) for column in columns) + " |"]
+    lines.append("|---|---|" + "---|" * len(columns))
+    for row in grid:
+        ms = row[key]
+        cells = [f"{ms[column]:.1f} ({ms[column] / ms[baseline]:.2f}x)" for column in columns]
+        lines.append(f"| {row['batch']} | {row['context']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def decode_table(result: dict) -> list[str]:
     """The grid as markdown rows: ms/token and the ratio to MHA's default path in each cell."""
     columns = list(result["grid"][0]["ms_per_token"])
-    lines = ["| batch | context | " + " | ".join(column_label(column) for column in columns) + " |"]
-    lines.append("|---|---|" + "---|" * len(columns))
-    for row in result["grid"]:
-        mha = row["ms_per_token"]["mha"]
-        cells = [f"{row['ms_per_token'][column]:.1f} ({row['ms_per_token'][column] / mha:.2f}x)" for column in columns]
-        lines.append(f"| {row['batch']} | {row['context']} | " + " | ".join(cells) + " |")
+    lines = ratio_grid(result["grid"], "ms_per_token", "mha", column_label)
     bytes_row = [f"{result['cache_bytes_per_token'][column] or 0:,.0f}" for column in columns]
     lines.append("| cache bytes/token | | " + " | ".join(bytes_row) + " |")
     return lines
