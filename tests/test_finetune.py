@@ -10,7 +10,7 @@ from egmla.cli import main
 from egmla.conversion import ConversionOptions, convert_llama_to_egmla
 from egmla.modeling_egmla import EGMLAForCausalLM
 from egmla.text import token_blocks
-from egmla.training import FinetuneSettings, distillation_loss, finetune
+from egmla.training import CosineSchedule, FinetuneSettings, distillation_loss, finetune
 from tests.utils import STORIES260K, TINYSTORIES, needs_shared, tiny_llama
 
 
@@ -28,6 +28,25 @@ def test_distillation_loss_is_zero_only_for_equal_logits():
     logits = torch.randn(2, 5, 11)
     assert distillation_loss(logits, logits, 2.0).abs() < 1e-6
     assert distillation_loss(logits, logits + torch.randn_like(logits), 2.0) > 1e-3
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_distillation_loss_and_its_gradient_equal_torchs_kl_div(temperature):
+    """The chunked loss (rows in chunks of 32, here 2 x 37 = 74 rows: a partial last chunk) against the textbook
+    formula with torch's kl_div, value and gradient."""
+    generator = torch.Generator().manual_seed(0)
+    student = torch.randn(2, 37, 101, generator=generator, requires_grad=True)
+    teacher = torch.randn(2, 37, 101, generator=generator)
+    reference_student = student.detach().clone().requires_grad_()
+    log_student = torch.log_softmax(reference_student / temperature, dim=-1)
+    log_teacher = torch.log_softmax(teacher / temperature, dim=-1)
+    reference = torch.nn.functional.kl_div(log_student, log_teacher, log_target=True, reduction="none")
+    reference = reference.sum(-1).mean() * temperature**2
+    (3.0 * reference).backward()
+    loss = distillation_loss(student, teacher, temperature)
+    (3.0 * loss).backward()
+    torch.testing.assert_close(loss, reference)
+    torch.testing.assert_close(student.grad, reference_student.grad)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -252,3 +271,10 @@ def test_a_run_without_steps_takes_what_fits_in_its_minutes(pair):
     assert result.seconds < 0.02 * 60 + 5  # the schedule was sized to the budget, and the guard stops it
     with pytest.raises(ValueError, match="steps=None sizes the run to max_minutes"):
         FinetuneSettings(steps=None)
+
+
+def test_warm_up_takes_at_most_a_tenth_of_the_schedule():
+    short, long = CosineSchedule(warmup_steps=10, steps=19), CosineSchedule(warmup_steps=10, steps=200)
+    assert short(0) == 1.0 and short(1) < 1.0  # 1 step of warm-up, then the decay
+    assert long(0) == pytest.approx(0.1) and long(9) == pytest.approx(1.0, abs=0.01)  # the 10 steps asked for
+    assert short(19) == pytest.approx(0.0, abs=1e-9) and long(200) == pytest.approx(0.0, abs=1e-9)
