@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from . import kernels
 from .configuration_egmla import EGMLAConfig
+from .lora import LORA_TARGET_MODULES, gate_table_names
 from .modeling_egmla import (
     EGMLACache,
     EGMLAForCausalLM,
@@ -17,7 +18,6 @@ from .modeling_egmla import (
     EGMLAPreTrainedModel,
     cache_nbytes,
 )
-from .training import LORA_TARGET_MODULES, gate_table_names
 
 __version__ = "0.1.0"
 

@@ -173,9 +173,7 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=FinetuneSettings.batch_size)
     parser.add_argument("--learning-rate", "--lr", type=float, default=FinetuneSettings.learning_rate)
-    parser.add_argument(
-        "--warmup-steps", type=int, default=FinetuneSettings.warmup_steps, help="at most a tenth of the steps"
-    )
+    parser.add_argument("--warmup-steps", type=int, default=FinetuneSettings.warmup_steps)
     parser.add_argument("--temperature", type=float, default=FinetuneSettings.temperature, help="of distillation")
     parser.add_argument("--ce-weight", type=float, default=FinetuneSettings.ce_weight, help="next-token loss weight")
     parser.add_argument("--lora", action="store_true", help="LoRA adapters (merged at the end) instead of all weights")

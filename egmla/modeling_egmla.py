@@ -267,7 +267,9 @@ class EGMLALatentCacheLayer(DynamicLayer):
         super().__init__(**kwargs)
         self.token_ids: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
-        self.storage: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, 1, capacity, .] behind keys, values
+        # [B, 1, capacity, r + Hr*dr] behind `keys` (its first r values) and `values` (the rest): each cached row is
+        # [latent ; rope key], so the absorbed decode reads both as one key (`packed_latent_cache`)
+        self.storage: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Appends the new latents [B, 1, S, r] and rope keys [B, 1, S, Hr*dr]; `keys`/`values` are views of the
@@ -280,31 +282,34 @@ class EGMLALatentCacheLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
         total = length + key_states.shape[-2]
-        if not self.holds_views(key_states, total):
+        width = key_states.shape[-1]
+        if not self.holds_views(key_states, value_states, total):
             capacity = math.ceil(total / self.GROWTH_CHUNK) * self.GROWTH_CHUNK
-            self.storage = tuple(
-                new.new_zeros(*new.shape[:2], capacity, new.shape[-1]) for new in (key_states, value_states)
-            )
+            storage = key_states.new_zeros(*key_states.shape[:2], capacity, width + value_states.shape[-1])
             if length:
-                self.storage[0][:, :, :length] = self.keys
-                self.storage[1][:, :, :length] = self.values
-        self.storage[0][:, :, length:total] = key_states
-        self.storage[1][:, :, length:total] = value_states
-        self.keys, self.values = self.storage[0][:, :, :total], self.storage[1][:, :, :total]
+                storage[:, :, :length, :width] = self.keys
+                storage[:, :, :length, width:] = self.values
+            self.storage = storage
+        self.storage[:, :, length:total, :width] = key_states
+        self.storage[:, :, length:total, width:] = value_states
+        self.keys, self.values = self.storage[:, :, :total, :width], self.storage[:, :, :total, width:]
         return self.keys, self.values
 
-    def holds_views(self, new: torch.Tensor, total: int) -> bool:
-        """Whether `keys` still views the storage (a reorder, offload or move replaces it) with room for `total`."""
+    def holds_views(self, key_states: torch.Tensor, value_states: torch.Tensor, total: int) -> bool:
+        """Whether `keys` and `values` still view the storage (a reorder, offload or move replaces them) with room
+        for `total` positions of rows as wide as the new ones."""
         if self.storage is None or self.keys.numel() == 0:
             return False
-        latent = self.storage[0]
+        width = self.keys.shape[-1]
         return (
-            self.keys.data_ptr() == latent.data_ptr()
-            and self.values.data_ptr() == self.storage[1].data_ptr()
-            and latent.shape[:2] == new.shape[:2]
-            and latent.dtype == new.dtype
-            and latent.device == new.device
-            and latent.shape[2] >= total
+            self.keys.data_ptr() == self.storage.data_ptr()
+            and self.values.data_ptr() == self.storage[..., width:].data_ptr()
+            and width == key_states.shape[-1]
+            and self.storage.shape[-1] == width + value_states.shape[-1]
+            and self.storage.shape[:2] == key_states.shape[:2]
+            and self.storage.dtype == key_states.dtype
+            and self.storage.device == key_states.device
+            and self.storage.shape[2] >= total
         )
 
     def append_per_token(self, name: str, values: torch.Tensor) -> torch.Tensor:
@@ -510,6 +515,41 @@ def mask_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> to
     if attention_mask.dtype == torch.bool:
         return scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     return scores + attention_mask
+
+
+def packed_latent_cache(latent: torch.Tensor, rope_key: torch.Tensor) -> torch.Tensor | None:
+    """The cached rows [latent ; rope key] [B, 1, T, r + w] as one view, where the cache keeps them side by side
+    (the dynamic latent cache does), else None (a static cache, a reordered one; or while compiling)."""
+    if torch.compiler.is_compiling() or rope_key.shape[-1] == 0 or latent.stride() != rope_key.stride():
+        return None
+    width, row = latent.shape[-1], latent.shape[-1] + rope_key.shape[-1]
+    if latent.stride(-1) != 1 or latent.stride(-2) != row:
+        return None
+    if rope_key.data_ptr() != latent.data_ptr() + width * latent.element_size():
+        return None
+    return latent.as_strided((*latent.shape[:-1], row), latent.stride())
+
+
+def latent_sdpa(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    packed: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """The absorbed MQA by SDPA's fused kernel, the cache read once: the query heads become rows of one head over
+    the cached rows [latent ; rope key] [B, 1, T, r + dr], which are the values too (their rope-key columns
+    dropped after). q_latent [B, H, S, r], q_rope [B, H, S, dr] -> the weighted sum of latents [B, H, S, r]."""
+    batch_size, heads, query_length, rank = q_latent.shape
+    key_length = packed.shape[2]
+    query = torch.cat([q_latent, q_rope], dim=-1).reshape(batch_size, 1, heads * query_length, -1)
+    mask = attention_mask  # [B, 1, S, T] or None; with one query, it broadcasts over the heads' rows as it is
+    if query_length > 1:
+        mask = causal_mask(query_length, key_length, packed.device) if mask is None else mask
+        mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], heads, query_length, key_length)
+        mask = mask.reshape(*mask.shape[:-3], heads * query_length, key_length)
+    output = nn.functional.scaled_dot_product_attention(query, packed, packed, attn_mask=mask, scale=scaling)
+    return output[..., :rank].reshape(batch_size, heads, query_length, rank)
 
 
 # The decode contract between this file (also remote code) and attention implementations that read the latent
@@ -736,6 +776,9 @@ class EGMLAAttention(nn.Module):
         query heads, folded into the rows of one batched product (no copy per head)."""
         batch_size, heads, query_length, _ = q_rope.shape
         key_length, group = rope_key.shape[2], heads // self.rope_key_heads
+        if self.rope_key_heads == 1:  # one rope key for all heads: the cache is read where it lies, not copied
+            q_rope = q_rope.reshape(batch_size, heads * query_length, self.qk_rope_head_dim)
+            return torch.bmm(q_rope, rope_key[:, 0].mT).view(batch_size, heads, query_length, key_length)
         q_rope = q_rope.reshape(batch_size * self.rope_key_heads, group * query_length, self.qk_rope_head_dim)
         k_rope = rope_key[:, 0].view(batch_size, key_length, self.rope_key_heads, self.qk_rope_head_dim)
         k_rope = k_rope.permute(0, 2, 3, 1).reshape(batch_size * self.rope_key_heads, self.qk_rope_head_dim, -1)
@@ -769,6 +812,22 @@ class EGMLAAttention(nn.Module):
         weight = linear_weight(self.kv_b_proj, self.kv_lora_rank, like)
         return weight.view(self.num_heads, self.rebuilt_key_dim + self.v_head_dim, self.kv_lora_rank)
 
+    def absorbed_weights(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """W^{UK} as [H, dn, r] and W^{UV} transposed as [H, r, dv], contiguous for the absorbed decode's batched
+        products; made once per weight version and kept while no gradient flows (an adapter's effective weight, or
+        a weight being trained, is made at every call)."""
+        weight = self.kv_b_weight(like=like)
+        reusable = not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and weight.requires_grad)
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device) if reusable else None
+        cached = getattr(self, "_absorbed_weights", None)
+        if key is not None and cached is not None and cached[0] == key:
+            return cached[1]
+        w_uk, w_uv = weight.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        weights = (w_uk.contiguous(), w_uv.transpose(1, 2).contiguous())
+        if key is not None:
+            self._absorbed_weights = (key, weights)
+        return weights
+
     def absorbed_attention(
         self,
         q_nope: torch.Tensor,
@@ -776,27 +835,52 @@ class EGMLAAttention(nn.Module):
         latent: torch.Tensor,
         rope_key: torch.Tensor,
         attention_mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """MQA over the cached latent (W^{UK} folded into the query, W^{UV} applied after the weighted sum).
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """MQA over the cached latent (W^{UK} folded into the query, W^{UV} applied after the weighted sum): by SDPA
+        over the cached rows `[latent ; rope key]` where the cache keeps them side by side and one rope key serves
+        every head, else (or for the attention weights) by batched products.
 
         q_nope [B, H, S, dn], q_rope [B, H, S, dr], latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr].
-        Returns the output [B, S, H, dv] and the attention weights [B, H, S, T].
+        Returns the output [B, S, H, dv] and the attention weights [B, H, S, T] (None from SDPA).
         """
         batch_size, heads, query_length, _ = q_nope.shape
+        w_uk, w_uv = self.absorbed_weights(like=latent)  # [H, dn, r], [H, r, dv]
+        q_nope = q_nope.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
+        q_latent = torch.bmm(q_nope, w_uk).view(heads, batch_size, query_length, -1).transpose(0, 1)  # [B, H, S, r]
+        packed = None if need_weights or self.rope_key_heads != 1 else packed_latent_cache(latent, rope_key)
+        if packed is not None:
+            out_latent, probs = latent_sdpa(q_latent, q_rope, packed, attention_mask, self.scaling), None
+        else:
+            out_latent, probs = self.latent_attention(q_latent, q_rope, latent, rope_key, attention_mask)
+        out_latent = out_latent.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
+        output = torch.bmm(out_latent, w_uv)  # [H, B*S, dv]
+        return output.view(heads, batch_size, query_length, -1).permute(1, 2, 0, 3), probs
+
+    def latent_attention(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        rope_key: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax of q_latent . latent + q_rope . rope key over the cache: q_latent [B, H, S, r] -> the weighted
+        sum of latents [B, H, S, r] and the weights [B, H, S, T]."""
+        batch_size, heads, query_length, rank = q_latent.shape
         key_length = latent.shape[2]
         latent = latent[:, 0]  # [B, T, r], shared by every head
-        weight = self.kv_b_weight(like=latent)
-        w_uk, w_uv = weight.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
-        q_latent = torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk)  # [B, H, S, r]
-        # One KV head: the query heads fold into the rows of one batched product, so no head copies the latent.
-        scores = torch.bmm(q_latent.reshape(batch_size, heads * query_length, -1), latent.transpose(1, 2))
-        scores = scores.view(batch_size, heads, query_length, key_length) + self.rope_scores(q_rope, rope_key)
-        scores = mask_scores(scores * self.scaling, attention_mask)
-        probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        # The scale goes on the queries ([B, H, S, .]), not on the scores ([B, H, S, T]).
+        rope_scores = self.rope_scores(q_rope * self.scaling, rope_key)  # [B, H, S, T]
+        q_latent = (q_latent * self.scaling).reshape(batch_size, heads * query_length, rank)
+        # The query heads fold into the rows of one batched product (no head copies the latent), the rope scores
+        # added inside it.
+        scores = torch.baddbmm(rope_scores.view(batch_size, heads * query_length, key_length), q_latent, latent.mT)
+        scores = mask_scores(scores.view(batch_size, heads, query_length, key_length), attention_mask)
+        probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
         probs = nn.functional.dropout(probs, p=self.attention_dropout, training=self.training)
         out_latent = torch.bmm(probs.view(batch_size, heads * query_length, key_length), latent)  # [B, H*S, r]
-        output = torch.einsum("bhsr,hvr->bshv", out_latent.view(batch_size, heads, query_length, -1), w_uv)
-        return output, probs
+        return out_latent.view(batch_size, heads, query_length, rank), probs
 
     def decode_attention(
         self,
@@ -821,9 +905,10 @@ class EGMLAAttention(nn.Module):
             )
             if output is not None:
                 return output, None
+        need_weights = implementation == "eager" or bool(kwargs.get("output_attentions"))
         if self.absorbs:
-            return self.absorbed_attention(q_nope, q_rope, latent, rope_key, attention_mask)
-        if self.config._attn_implementation == "eager" or kwargs.get("output_attentions"):
+            return self.absorbed_attention(q_nope, q_rope, latent, rope_key, attention_mask, need_weights)
+        if need_weights:
             return self.expanded_attention(  # the attention weights, where asked for
                 q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, attention_mask, **kwargs
             )

@@ -9,23 +9,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from egmla.cli import main
-from tests.test_conversion import folder_digest as digest
-from tests.utils import STORIES260K, tiny_llama, tiny_model
-
-TOKENIZER = Path(__file__).resolve().parents[1] / "egmla" / "data" / "stories260K-tokenizer"
-FAST = ["--kv-lora-rank", "16", "--rope-mode", "exact", "--reconstruction-steps", "0", "--calibration-blocks", "4",
-        "--block-size", "32"]  # fmt: skip
-
-
-def with_tokenizer(folder: Path) -> Path:
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER / name, folder / name)
-    return folder
-
-
-def llama_folder(folder: Path, **overrides) -> Path:
-    tiny_llama(vocab_size=512, **overrides).save_pretrained(folder)
-    return with_tokenizer(folder)
+from tests.utils import FAST, STORIES260K, llama_folder, tiny_llama, tiny_model, with_tokenizer
+from tests.utils import folder_digest as digest
 
 
 def not_a_llama(tmp: Path) -> tuple[Path, list[str]]:

@@ -198,7 +198,10 @@ def test_cache_holds_exactly_the_latent_rope_key_ids_and_positions(mode):
         assert layer.keys.shape == (batch, 1, seq, config.layer_kv_lora_rank(index))
         assert layer.values.shape == (batch, 1, seq, rope_width)
         tensors = {name for name, value in vars(layer).items() if isinstance(value, torch.Tensor)}
-        assert tensors == ({"keys", "values"} | (per_token if index == 0 else set()))
+        assert tensors - {"storage"} == ({"keys", "values"} | (per_token if index == 0 else set()))
+        if "storage" in tensors:  # the memory behind keys and values (rows [latent ; rope key]), not another copy
+            storage = layer.storage.untyped_storage().data_ptr()
+            assert layer.keys.untyped_storage().data_ptr() == layer.values.untyped_storage().data_ptr() == storage
     if ids_bytes:
         assert torch.equal(cache.layers[0].token_ids, out.sequences[:, :seq])
     if position_bytes:
@@ -546,12 +549,41 @@ def test_the_dynamic_latent_cache_grows_by_chunks_not_by_copying_every_step():
         for step in range(4, 10):
             model(input_ids[:, step : step + 1], cache=cache)
             assert layer.keys.data_ptr() == storage and layer.keys.shape[2] == step + 1  # written in place
-        assert layer.storage[0].shape[2] == layer.GROWTH_CHUNK
+        assert layer.storage.shape[2] == layer.GROWTH_CHUNK
         cache.reorder_cache(torch.tensor([1, 0]))  # a new tensor: the next step moves to a new storage
         model(input_ids[:, :1], cache=cache)
-        assert layer.keys.shape[2] == 11 and torch.equal(layer.keys, layer.storage[0][:, :, :11])
+        width = layer.keys.shape[-1]  # one storage of rows [latent ; rope key]
+        assert layer.keys.shape[2] == 11 and torch.equal(layer.keys, layer.storage[:, :, :11, :width])
+        assert torch.equal(layer.values, layer.storage[:, :, :11, width:])
     per_position = 2 * 4 * sum(model.config.layer_kv_lora_rank(i) + model.config.rope_key_width for i in range(2))
     ids = 2 * 8 * model.config.caches_token_ids  # int64 ids of 2 rows, kept once
     assert cache_nbytes(cache) == 11 * (per_position + ids)  # what the cache holds for its tokens
     # and what it allocated: each layer's storage of a whole chunk (the ids are concatenated, exact)
     assert cache_nbytes(cache, allocated=True) == layer.GROWTH_CHUNK * per_position + 11 * ids
+
+
+@pytest.mark.parametrize("mode", ["mla-absorbed", "gate-latent"])
+def test_absorbed_decode_by_sdpa_equals_the_batched_products(mode):
+    """The absorbed decode reads the dynamic cache's rows [latent ; rope key] with SDPA (no attention weights);
+    asking for the weights takes the batched products instead: the same logits for one new token and for three
+    (left-padded rows, a mask), and uncached logits for both."""
+    from egmla.modeling_egmla import packed_latent_cache
+
+    model = tiny_model(**MODES[mode])
+    input_ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(input_ids)
+    mask[1, :3] = 0  # a left-padded row
+    with torch.no_grad():
+        full = model(input_ids, attention_mask=mask).logits
+        for need_weights in (False, True):
+            cache = EGMLACache(model.config)
+            model(input_ids[:, :8], attention_mask=mask[:, :8], cache=cache)
+            layer = cache.layers[0]
+            assert packed_latent_cache(layer.keys, layer.values) is not None  # rows side by side: SDPA reads them
+            steps = [(8, 9), (9, 12)]  # one token, then three
+            for start, end in steps:
+                out = model(input_ids[:, start:end], attention_mask=mask[:, :end], cache=cache,
+                            output_attentions=need_weights)  # fmt: skip
+                torch.testing.assert_close(out.logits[1], full[1, start:end], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(out.logits[0], full[0, start:end], rtol=1e-4, atol=1e-4)
+                assert (out.attentions is not None) == need_weights

@@ -1,6 +1,5 @@
 """Retrofitting Llama checkpoints into EG-MLA: exactness, factorizations, GQA, rope scaling, errors, CLI."""
 
-import hashlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +16,7 @@ from egmla.conversion.pipeline import StageSelection
 from egmla.conversion.reconstruction import ReconstructionSettings
 from egmla.conversion.rope import rotation_variance
 from egmla.text import perplexity, read_documents, split_documents, token_blocks
-from tests.utils import STORIES260K, TINYSTORIES, assert_same_model, needs_shared, tiny_llama
+from tests.utils import STORIES260K, TINYSTORIES, assert_same_model, folder_digest, needs_shared, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -244,14 +243,6 @@ def test_refuses_what_it_cannot_convert(tmp_path):
         convert_llama_to_egmla(teacher, ConversionOptions(kv_lora_rank=8, rope_pairs=2, gate_embedding_dim=0))
     with pytest.raises(ValueError, match="exactly one"):
         convert_llama_to_egmla(teacher, ConversionOptions(rope_pairs=2, factorization="weight", gate_embedding_dim=0))
-
-
-def folder_digest(folder: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()
 
 
 def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_source(tmp_path, monkeypatch, capsys):

@@ -15,8 +15,8 @@ import pytest
 from safetensors.torch import load_file
 
 from egmla.outputs import STAGING_MARK, check_output_folder
-from tests.test_bad_input import FAST, digest, llama_folder
-from tests.utils import tiny_model
+from tests.utils import FAST, llama_folder, tiny_model
+from tests.utils import folder_digest as digest
 
 EGMLA = [sys.executable, "-m", "egmla.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -5,27 +5,13 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from egmla import EGMLAForCausalLM
-from tests.utils import tiny_config
+from tests.utils import TINY, tiny_config
 
 
 def deepseek_pair(q_lora_rank, gate_position):
-    common = {
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "q_lora_rank": q_lora_rank,
-        "kv_lora_rank": 16,
-        "qk_nope_head_dim": 8,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 12,
-        "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-6,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-    }
+    # The shared tiny shape, without the gate (DeepSeek has none), with DeepSeek's norm epsilon.
+    common = {**{k: v for k, v in TINY.items() if k != "gate_embedding_dim"}, "q_lora_rank": q_lora_rank,
+              "rms_norm_eps": 1e-6}  # fmt: skip
     torch.manual_seed(0)
     reference = DeepseekV3ForCausalLM(
         DeepseekV3Config(

@@ -10,7 +10,7 @@ from egmla.cli import main
 from egmla.conversion import ConversionOptions, convert_llama_to_egmla
 from egmla.modeling_egmla import EGMLAForCausalLM
 from egmla.text import token_blocks
-from egmla.training import CosineSchedule, FinetuneSettings, distillation_loss, finetune
+from egmla.training import FinetuneSettings, distillation_loss, finetune
 from tests.utils import STORIES260K, TINYSTORIES, needs_shared, tiny_llama
 
 
@@ -271,10 +271,3 @@ def test_a_run_without_steps_takes_what_fits_in_its_minutes(pair):
     assert result.seconds < 0.02 * 60 + 5  # the schedule was sized to the budget, and the guard stops it
     with pytest.raises(ValueError, match="steps=None sizes the run to max_minutes"):
         FinetuneSettings(steps=None)
-
-
-def test_warm_up_takes_at_most_a_tenth_of_the_schedule():
-    short, long = CosineSchedule(warmup_steps=10, steps=19), CosineSchedule(warmup_steps=10, steps=200)
-    assert short(0) == 1.0 and short(1) < 1.0  # 1 step of warm-up, then the decay
-    assert long(0) == pytest.approx(0.1) and long(9) == pytest.approx(1.0, abs=0.01)  # the 10 steps asked for
-    assert short(19) == pytest.approx(0.0, abs=1e-9) and long(200) == pytest.approx(0.0, abs=1e-9)

@@ -119,3 +119,21 @@ def test_device_map_with_a_layer_offloaded_to_disk(tmp_path, gate_position):
     options = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
     with torch.no_grad():
         assert torch.equal(model.generate(input_ids, **options), offloaded.generate(input_ids, **options))
+
+
+def test_import_egmla_loads_no_training_library_of_its_own():
+    """`import egmla` loads no package that a transformers model file (Llama's) does not load already: not peft;
+    accelerate (and triton) only because transformers.modeling_utils imports them when they are installed."""
+    probe = (
+        "import sys\n"
+        "import transformers.models.llama.modeling_llama\n"
+        "before = {name.split('.')[0] for name in sys.modules}\n"
+        "import egmla\n"
+        "print(sorted({name.split('.')[0] for name in sys.modules} - before - {'egmla'}))\n"
+        "print('peft' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    added, peft = done.stdout.split("\n")[:2]
+    assert peft == "False"
+    assert added == "[]", f"import egmla loaded {added}"

@@ -1,6 +1,8 @@
 """What the tests share: tiny random EG-MLA and Llama models, the real stories260K checkpoint (in the repository),
 the TinyStories text in ../shared (skipped when absent), and the cached-against-uncached helpers."""
 
+import hashlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -137,3 +139,34 @@ def assert_same_model(student, teacher, input_ids: torch.Tensor) -> None:
         student.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
         teacher.generate(input_ids[:, :10], max_new_tokens=10, do_sample=False),
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Llama folders for the command-line tests (conversion, bad input, crash safety)
+# ----------------------------------------------------------------------------------------------------------------
+
+TOKENIZER = Path(__file__).resolve().parents[1] / "egmla" / "data" / "stories260K-tokenizer"
+# `egmla convert` flags that make a tiny conversion take a second: closed form, few short calibration blocks.
+FAST = ["--kv-lora-rank", "16", "--rope-mode", "exact", "--reconstruction-steps", "0", "--calibration-blocks", "4",
+        "--block-size", "32"]  # fmt: skip
+
+
+def with_tokenizer(folder: Path) -> Path:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / name, folder / name)
+    return folder
+
+
+def llama_folder(folder: Path, **overrides) -> Path:
+    """A tiny random Llama saved with the stories260K tokenizer (its vocabulary of 512)."""
+    tiny_llama(vocab_size=512, **overrides).save_pretrained(folder)
+    return with_tokenizer(folder)
+
+
+def folder_digest(folder: Path) -> str:
+    """A hash of every file's name and bytes: equal digests, an untouched folder."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
