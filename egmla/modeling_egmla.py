@@ -492,11 +492,20 @@ def eager_attention_forward(
     return attn_output.transpose(1, 2).contiguous(), attn_weights
 
 
-def linear_weight(linear: nn.Module, in_features: int, like: torch.Tensor) -> torch.Tensor:
-    """A Linear's effective weight [out, in]. Adapters (LoRA) and accelerate's offload hooks act only when the
-    module is called, so in their presence the weight is read by projecting the identity."""
+def plain_weight(linear: nn.Module) -> torch.Tensor | None:
+    """A Linear's weight parameter where it is the weight the module applies; None where an adapter (LoRA) or
+    accelerate's offload hook acts only when the module is called."""
     if type(linear) is nn.Linear and not hasattr(linear, "_hf_hook"):
         return linear.weight
+    return None
+
+
+def linear_weight(linear: nn.Module, in_features: int, like: torch.Tensor) -> torch.Tensor:
+    """A Linear's effective weight [out, in]: its parameter, or, under an adapter or offload hook, the projection
+    of the identity."""
+    weight = plain_weight(linear)
+    if weight is not None:
+        return weight
     return linear(torch.eye(in_features, device=like.device, dtype=like.dtype)).T
 
 
@@ -817,8 +826,10 @@ class EGMLAAttention(nn.Module):
         products; made once per weight version and kept while no gradient flows (an adapter's effective weight, or
         a weight being trained, is made at every call)."""
         weight = self.kv_b_weight(like=like)
-        reusable = not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and weight.requires_grad)
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device) if reusable else None
+        parameter = plain_weight(self.kv_b_proj)  # an adapter's weight is made anew at each call: never kept
+        reusable = parameter is not None and not torch.compiler.is_compiling()
+        reusable = reusable and not (torch.is_grad_enabled() and parameter.requires_grad)
+        key = (parameter.data_ptr(), parameter._version, parameter.dtype, parameter.device) if reusable else None
         cached = getattr(self, "_absorbed_weights", None)
         if key is not None and cached is not None and cached[0] == key:
             return cached[1]

@@ -115,7 +115,7 @@ class ChunkedDistillation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (gradient,) = ctx.saved_tensors
-        return gradient.mul_(grad_output.to(gradient.dtype)).view(ctx.logits_shape), None, None
+        return (gradient * grad_output.to(gradient.dtype)).view(ctx.logits_shape), None, None
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -325,8 +325,6 @@ def train_loop(
         steps = saved_steps or budgeted_steps(run, teacher, train_blocks, settings)
         settings = dataclasses.replace(settings, steps=steps)
         run.schedule.steps = steps
-        for group in run.optimizer.param_groups:  # the first step's factor was set before the length was known
-            group["lr"] = group["initial_lr"] * run.schedule(start_step)
         accelerator.print(f"fine-tuning for {steps} steps (what fits in {settings.max_minutes} minutes)")
     started = time.time()
     stopped_early = False

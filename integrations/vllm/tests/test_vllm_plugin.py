@@ -4,7 +4,6 @@ installed (`.ci/run` builds one; integrations/vllm/README.md says how)."""
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -17,11 +16,10 @@ import torch
 
 from egmla import EGMLAConfig, EGMLAForCausalLM
 from egmla.conversion import ConversionOptions, convert_llama_to_egmla, load_llama
-from tests.utils import STORIES260K, needs_shared
+from tests.utils import STORIES260K, needs_shared, with_tokenizer
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "vllm_worker.py"
-TOKENIZER = Path(__file__).resolve().parents[3] / "egmla" / "data" / "stories260K-tokenizer"
 VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -79,9 +77,7 @@ def vllm_python() -> str:
 
 def save_folder(model: EGMLAForCausalLM, folder: Path) -> Path:
     model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER / name, folder / name)
-    return folder
+    return with_tokenizer(folder)
 
 
 def tiny_model(name: str) -> EGMLAForCausalLM:
