@@ -19,7 +19,7 @@ import torch
 
 from egmla import EGMLAConfig, EGMLAForCausalLM
 from egmla.kernels import KVDecodeInputs, KVDecodeWeights, LatentDecodeInputs, bool_mask, triton_decode
-from egmla.modeling_egmla import EGMLAGateRows
+from egmla.modeling_egmla import LATENT_DECODE_VERSION, EGMLAGateRows, EGMLALatentDecode
 
 
 def timed(function, repetitions: int, device: torch.device) -> float:
@@ -122,7 +122,8 @@ def decode_case(module, batch_size: int, context: int, device: torch.device):
             return triton_decode.decode_latent(inputs, module.scaling)
 
         def reference():
-            return module.absorbed_attention(q_nope, q_rope, latent, rope_key, None)
+            step = EGMLALatentDecode(LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, None, None)
+            return module.absorbed_attention(step, None)
 
         read = (latent.numel() + rope_key.numel()) * 2
         flops = 2 * batch_size * heads * context * (rank + rope + rank)

@@ -268,7 +268,7 @@ class EGMLALatentCacheLayer(DynamicLayer):
         self.token_ids: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         # [B, 1, capacity, r + Hr*dr] behind `keys` (its first r values) and `values` (the rest): each cached row is
-        # [latent ; rope key], so the absorbed decode reads both as one key (`packed_latent_cache`)
+        # [latent ; rope key], so the absorbed decode reads both as one key (`cached_rows`)
         self.storage: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -311,6 +311,13 @@ class EGMLALatentCacheLayer(DynamicLayer):
             and self.storage.device == key_states.device
             and self.storage.shape[2] >= total
         )
+
+    def cached_rows(self) -> torch.Tensor | None:
+        """The cached rows [latent ; rope key] [B, 1, T, r + Hr*dr] as one view of the storage, or None where `keys`
+        and `values` no longer view it (a reorder, an offload, a backward-kept update)."""
+        if self.storage is None or self.keys.numel() == 0 or self.keys.data_ptr() != self.storage.data_ptr():
+            return None
+        return self.storage[:, :, : self.keys.shape[-2]]
 
     def append_per_token(self, name: str, values: torch.Tensor) -> torch.Tensor:
         """Appends the new tokens' `name` values [B, S] and returns those of the whole context [B, T]."""
@@ -355,9 +362,9 @@ class EGMLALatentCacheLayer(DynamicLayer):
 
 class EGMLAStaticCacheLayer(StaticLayer):
     """The preallocated twin of `EGMLALatentCacheLayer` (`cache_implementation="static"`, `torch.compile`): the
-    latent [B, 1, L, r] and rope keys [B, 1, L, Hr*dr] of L = max_cache_len positions, written in place, and in
-    layer 0 the token ids and positions [B, L] the mode needs; the attention mask hides the unwritten slots, so
-    every step has the same shapes and a compiled decode step does not recompile."""
+    latent [B, 1, L, r] and rope keys [B, 1, L, Hr*dr] of L = max_cache_len positions, side by side in one storage
+    and written in place, and in layer 0 the token ids and positions [B, L] the mode needs; the attention mask hides
+    the unwritten slots, so every step has the same shapes and a compiled decode step does not recompile."""
 
     _layer_type = EGMLA_LAYER_TYPE
     PER_TOKEN = ("token_ids", "positions")
@@ -366,6 +373,36 @@ class EGMLAStaticCacheLayer(StaticLayer):
         super().__init__(max_cache_len=max_cache_len, **kwargs)
         self.token_ids: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
+        self.storage: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """One storage [B, 1, L, r + Hr*dr] behind `keys` (the latent) and `values` (the rope keys), as in the
+        dynamic layer, so that the absorbed decode reads each cached row once (`cached_rows`), compiled too."""
+        self.device = key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+        shape = (self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim + self.v_head_dim)
+        self.storage = key_states.new_zeros(shape)
+        self.keys, self.values = self.storage[..., : self.k_head_dim], self.storage[..., self.k_head_dim :]
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not torch.compiler.is_compiling():  # fixed addresses: a compiled step is not rebuilt per update
+            for tensor in (self.storage, self.keys, self.values, self.cumulative_length):
+                torch._dynamo.mark_static_address(tensor)
+        self.is_initialized = True
+
+    def cached_rows(self) -> torch.Tensor | None:
+        """All L rows [latent ; rope key] [B, 1, L, r + Hr*dr] (the mask hides the unwritten ones)."""
+        return self.storage
+
+    def offload(self) -> None:
+        if self.is_initialized:  # the storage moves, and the views follow it
+            self.storage = self.storage.to("cpu", non_blocking=True)
+            self.keys, self.values = self.storage[..., : self.k_head_dim], self.storage[..., self.k_head_dim :]
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self.storage.device != self.device:
+            self.storage = self.storage.to(self.device, non_blocking=True)
+            self.keys, self.values = self.storage[..., : self.k_head_dim], self.storage[..., self.k_head_dim :]
 
     def append_per_token(self, name: str, values: torch.Tensor) -> torch.Tensor:
         """Writes the new tokens' `name` values [B, S] into their slots; returns the whole row [B, L]."""
@@ -388,7 +425,7 @@ class EGMLAStaticCacheLayer(StaticLayer):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """In place, so that the static addresses a compiled step was built on stay valid."""
-        for tensor in (self.keys, self.values, self.token_ids, self.positions):
+        for tensor in (self.storage, self.token_ids, self.positions):
             if tensor is not None:
                 tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
 
@@ -526,19 +563,6 @@ def mask_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> to
     return scores + attention_mask
 
 
-def packed_latent_cache(latent: torch.Tensor, rope_key: torch.Tensor) -> torch.Tensor | None:
-    """The cached rows [latent ; rope key] [B, 1, T, r + w] as one view, where the cache keeps them side by side
-    (the dynamic latent cache does), else None (a static cache, a reordered one; or while compiling)."""
-    if torch.compiler.is_compiling() or rope_key.shape[-1] == 0 or latent.stride() != rope_key.stride():
-        return None
-    width, row = latent.shape[-1], latent.shape[-1] + rope_key.shape[-1]
-    if latent.stride(-1) != 1 or latent.stride(-2) != row:
-        return None
-    if rope_key.data_ptr() != latent.data_ptr() + width * latent.element_size():
-        return None
-    return latent.as_strided((*latent.shape[:-1], row), latent.stride())
-
-
 def latent_sdpa(
     q_latent: torch.Tensor,
     q_rope: torch.Tensor,
@@ -567,11 +591,12 @@ def latent_sdpa(
 # `call` an EGMLALatentDecode, and returns (output [B, S, H, dv], None), or (None, None) to leave the step to the
 # reference path (e.g. a `version` it does not know). Bump the version whenever EGMLALatentDecode changes.
 LATENT_DECODE_PREFIX = "egmla_fused"
-LATENT_DECODE_VERSION = 2
+LATENT_DECODE_VERSION = 3
 
 
 class EGMLALatentDecode(NamedTuple):
-    """One decode step over the latent cache, as the model gives it to a latent-decode implementation."""
+    """One attention step over the latent (cached, or this forward's), built once per forward and given to every
+    path: the model's own and a latent-decode implementation's."""
 
     version: int
     q_nope: torch.Tensor  # [B, H, S, dn]
@@ -580,6 +605,7 @@ class EGMLALatentDecode(NamedTuple):
     rope_key: torch.Tensor  # [B, 1, T, Hr*dr], rotated
     gate_rows: EGMLAGateRows | None  # for gate_position="kv": the gate-table rows of the context's T tokens
     key_rotary: tuple[torch.Tensor, torch.Tensor] | None  # "exact" rope: cos, sin [B, 1, T, dr] of cached positions
+    cached_rows: torch.Tensor | None = None  # [B, 1, T, r + Hr*dr]: latent and rope key side by side, as cached
 
 
 class EGMLAAttention(nn.Module):
@@ -702,19 +728,13 @@ class EGMLAAttention(nn.Module):
         return torch.cat([key, k_rope], dim=-1), value
 
     def blocked_attention(
-        self,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        latent: torch.Tensor,
-        rope_key: torch.Tensor,
-        gate_rows: EGMLAGateRows | None,
-        key_rotary: tuple[torch.Tensor, torch.Tensor] | None,
-        attention_mask: torch.Tensor | None,
+        self, step: EGMLALatentDecode, attention_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, None]:
         """The re-expansion decode, DECODE_BLOCK cached positions at a time with an online softmax (flash-decoding
         in PyTorch): each block's expanded K/V is used while it is in fast memory, instead of the whole context
         expanded into main memory and read back pass after pass (`egmla bench decode` measures it). New queries
         [B, H, S, .] over the cache; returns [B, S, H, dv]."""
+        q_nope, q_rope, latent, rope_key, gate_rows, key_rotary = step[1:7]
         batch_size, heads, query_length, _ = q_nope.shape
         key_length = latent.shape[2]
         gate = None  # [U, H*(dk+dv)], once per distinct token; with a row per position, computed block by block
@@ -840,30 +860,23 @@ class EGMLAAttention(nn.Module):
         return weights
 
     def absorbed_attention(
-        self,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        latent: torch.Tensor,
-        rope_key: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        need_weights: bool = False,
+        self, step: EGMLALatentDecode, attention_mask: torch.Tensor | None, need_weights: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """MQA over the cached latent (W^{UK} folded into the query, W^{UV} applied after the weighted sum): by SDPA
         over the cached rows `[latent ; rope key]` where the cache keeps them side by side and one rope key serves
         every head, else (or for the attention weights) by batched products.
 
-        q_nope [B, H, S, dn], q_rope [B, H, S, dr], latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr].
         Returns the output [B, S, H, dv] and the attention weights [B, H, S, T] (None from SDPA).
         """
-        batch_size, heads, query_length, _ = q_nope.shape
-        w_uk, w_uv = self.absorbed_weights(like=latent)  # [H, dn, r], [H, r, dv]
-        q_nope = q_nope.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
+        batch_size, heads, query_length, _ = step.q_nope.shape
+        w_uk, w_uv = self.absorbed_weights(like=step.latent)  # [H, dn, r], [H, r, dv]
+        q_nope = step.q_nope.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
         q_latent = torch.bmm(q_nope, w_uk).view(heads, batch_size, query_length, -1).transpose(0, 1)  # [B, H, S, r]
-        packed = None if need_weights or self.rope_key_heads != 1 else packed_latent_cache(latent, rope_key)
-        if packed is not None:
-            out_latent, probs = latent_sdpa(q_latent, q_rope, packed, attention_mask, self.scaling), None
+        rows = step.cached_rows if step.rope_key.shape[-1] and not need_weights and self.rope_key_heads == 1 else None
+        if rows is not None:
+            out_latent, probs = latent_sdpa(q_latent, step.q_rope, rows, attention_mask, self.scaling), None
         else:
-            out_latent, probs = self.latent_attention(q_latent, q_rope, latent, rope_key, attention_mask)
+            out_latent, probs = self.latent_attention(q_latent, step.q_rope, step.latent, step.rope_key, attention_mask)
         out_latent = out_latent.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
         output = torch.bmm(out_latent, w_uv)  # [H, B*S, dv]
         return output.view(heads, batch_size, query_length, -1).permute(1, 2, 0, 3), probs
@@ -894,15 +907,7 @@ class EGMLAAttention(nn.Module):
         return out_latent.view(batch_size, heads, query_length, rank), probs
 
     def decode_attention(
-        self,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        latent: torch.Tensor,
-        rope_key: torch.Tensor,
-        gate_rows: EGMLAGateRows | None,
-        key_rotary: tuple[torch.Tensor, torch.Tensor] | None,
-        attention_mask: torch.Tensor | None,
-        **kwargs: Unpack[TransformersKwargs],
+        self, step: EGMLALatentDecode, attention_mask: torch.Tensor | None, **kwargs: Unpack[TransformersKwargs]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """New queries [B, H, S, .] over the whole cache, by the first path that applies: a latent-decode kernel of
         the attention implementation (`egmla_fused*`, see the contract above), the absorbed MQA (gate off or on the
@@ -910,35 +915,25 @@ class EGMLAAttention(nn.Module):
         no absorption; "exact" rope: every rebuilt key is rotated)."""
         implementation = self.config._attn_implementation
         if implementation.startswith(LATENT_DECODE_PREFIX):
-            call = EGMLALatentDecode(LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, gate_rows, key_rotary)
             output, _ = ALL_ATTENTION_FUNCTIONS[implementation](
-                self, None, None, None, attention_mask, latent_decode=call
+                self, None, None, None, attention_mask, latent_decode=step
             )
             if output is not None:
                 return output, None
         need_weights = implementation == "eager" or bool(kwargs.get("output_attentions"))
         if self.absorbs:
-            return self.absorbed_attention(q_nope, q_rope, latent, rope_key, attention_mask, need_weights)
-        if need_weights:
-            return self.expanded_attention(  # the attention weights, where asked for
-                q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, attention_mask, **kwargs
-            )
-        return self.blocked_attention(q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, attention_mask)
+            return self.absorbed_attention(step, attention_mask, need_weights)
+        if need_weights:  # the attention weights, where asked for
+            return self.expanded_attention(step, attention_mask, **kwargs)
+        return self.blocked_attention(step, attention_mask)
 
     def expanded_attention(
-        self,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        latent: torch.Tensor,
-        rope_key: torch.Tensor,
-        gate_rows: EGMLAGateRows | None,
-        key_rotary: tuple[torch.Tensor, torch.Tensor] | None,
-        attention_mask: torch.Tensor | None,
-        **kwargs: Unpack[TransformersKwargs],
+        self, step: EGMLALatentDecode, attention_mask: torch.Tensor | None, **kwargs: Unpack[TransformersKwargs]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The configured attention function (sdpa, eager, ...) over per-head keys and values expanded from the
         latent: prefill, training, and decoding that cannot absorb."""
-        key, value = self.expand_kv(latent, rope_key, gate_rows, key_rotary)
+        q_nope, q_rope = step.q_nope, step.q_rope
+        key, value = self.expand_kv(step.latent, step.rope_key, step.gate_rows, step.key_rotary)
         implementation = self.config._attn_implementation
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         padding = key.shape[-1] - value.shape[-1]
@@ -997,21 +992,22 @@ class EGMLAAttention(nn.Module):
         if self.rope_mode == "exact":
             key_rotary = self.select_rotary(*(key_position_embeddings or position_embeddings))
 
+        cached_rows = None
         if cache is not None:
             latent, rope_key = cache.update(latent, rope_key, self.layer_idx)  # [B, 1, T, r], [B, 1, T, Hr*dr]
+            cached_rows = getattr(cache.layers[self.layer_idx], "cached_rows", lambda: None)()
+        step = EGMLALatentDecode(
+            LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, cached_rows
+        )
 
         # By shape, not by the cache's length (a tensor in a static cache: comparing it would sync and break graphs).
         # Several new tokens without a mask are a prompt at offset 0 (a static cache's unwritten slots follow it):
         # SDPA's top-left causal mask over the expanded heads is exact there, the decode paths' bottom-right is not.
         decoding = latent.shape[2] > seq_length and (seq_length == 1 or attention_mask is not None)
         if cache is not None and decoding and not self.training:
-            attn_output, attn_weights = self.decode_attention(
-                q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, attention_mask, **kwargs
-            )
+            attn_output, attn_weights = self.decode_attention(step, attention_mask, **kwargs)
         else:
-            attn_output, attn_weights = self.expanded_attention(
-                q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, attention_mask, **kwargs
-            )
+            attn_output, attn_weights = self.expanded_attention(step, attention_mask, **kwargs)
         attn_output = self.o_proj(attn_output.reshape(batch_size, seq_length, -1))
         return attn_output, attn_weights
 

@@ -1,5 +1,6 @@
 """The latent cache must give exactly what a forward without cache gives, in every mode and in `generate`."""
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -564,10 +565,10 @@ def test_the_dynamic_latent_cache_grows_by_chunks_not_by_copying_every_step():
 
 @pytest.mark.parametrize("mode", ["mla-absorbed", "gate-latent"])
 def test_absorbed_decode_by_sdpa_equals_the_batched_products(mode):
-    """The absorbed decode reads the dynamic cache's rows [latent ; rope key] with SDPA (no attention weights);
-    asking for the weights takes the batched products instead: the same logits for one new token and for three
-    (left-padded rows, a mask), and uncached logits for both."""
-    from egmla.modeling_egmla import packed_latent_cache
+    """The absorbed decode reads the cache's rows [latent ; rope key] with SDPA (no attention weights), the dynamic
+    cache's and the static one's; asking for the weights takes the batched products instead: the same logits for
+    one new token and for three (left-padded rows, a mask), and uncached logits for both."""
+    from transformers import StaticCache
 
     model = tiny_model(**MODES[mode])
     input_ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(7))
@@ -575,11 +576,12 @@ def test_absorbed_decode_by_sdpa_equals_the_batched_products(mode):
     mask[1, :3] = 0  # a left-padded row
     with torch.no_grad():
         full = model(input_ids, attention_mask=mask).logits
-        for need_weights in (False, True):
-            cache = EGMLACache(model.config)
+        caches = (lambda: EGMLACache(model.config), lambda: StaticCache(config=model.config, max_cache_len=16))
+        for need_weights, make_cache in itertools.product((False, True), caches):
+            cache = make_cache()
             model(input_ids[:, :8], attention_mask=mask[:, :8], cache=cache)
-            layer = cache.layers[0]
-            assert packed_latent_cache(layer.keys, layer.values) is not None  # rows side by side: SDPA reads them
+            rows = cache.layers[0].cached_rows()  # rows side by side: SDPA reads them
+            assert rows is not None and rows[..., :8, :].data_ptr() == cache.layers[0].keys.data_ptr()
             steps = [(8, 9), (9, 12)]  # one token, then three
             for start, end in steps:
                 out = model(input_ids[:, start:end], attention_mask=mask[:, :end], cache=cache,

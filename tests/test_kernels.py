@@ -78,7 +78,7 @@ def in_float32(call: EGMLALatentDecode) -> EGMLALatentDecode:
 def reference(module, call: EGMLALatentDecode, mask: torch.Tensor) -> torch.Tensor:
     """The model's own (eager) decode path: the absorbed MQA where it is exact, else the re-expansion."""
     if module.absorbs:
-        return module.absorbed_attention(call.q_nope, call.q_rope, call.latent, call.rope_key, mask[:, None])[0]
+        return module.absorbed_attention(call, mask[:, None])[0]
     key, value = module.expand_kv(call.latent, call.rope_key, call.gate_rows, call.key_rotary)
     additive = torch.zeros(mask.shape, dtype=call.q_nope.dtype).masked_fill(~mask, torch.finfo(call.q_nope.dtype).min)
     query = torch.cat([call.q_nope, call.q_rope], dim=-1)
@@ -363,10 +363,8 @@ def test_the_absorbed_decode_equals_the_re_expansion_wherever_it_is_chosen(gate_
     assert module.absorbs
     call, mask = decode_step(module, 2, 29, 3, 4)
     additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[:, None]
-    absorbed, _ = module.absorbed_attention(call.q_nope, call.q_rope, call.latent, call.rope_key, additive)
-    expanded, _ = module.expanded_attention(
-        call.q_nope, call.q_rope, call.latent, call.rope_key, call.gate_rows, None, additive
-    )
+    absorbed, _ = module.absorbed_attention(call, additive)
+    expanded, _ = module.expanded_attention(call, additive)
     torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
     assert not attention_module("kv", rope_key_heads, 10, "rms").absorbs  # the gate on K/V sits after the cache
     assert not attention_module(gate_position, 1, gate_dim, "rms", rope_mode="exact").absorbs
@@ -403,8 +401,8 @@ def test_the_blocked_re_expansion_equals_the_whole_one(gate_position, gate_dim, 
             index = torch.randint(0, 7, (2, key_length), generator=torch.Generator().manual_seed(8))
             gate_forms.append(EGMLAGateRows(rows, index, 2, key_length))
         for gate_rows in gate_forms:
-            args = (call.q_nope, call.q_rope, call.latent, call.rope_key, gate_rows, call.key_rotary)
-            expected, _ = module.expanded_attention(*args, additive)
+            step = call._replace(gate_rows=gate_rows)
+            expected, _ = module.expanded_attention(step, additive)
             for attention_mask in masks:
-                blocked, _ = module.blocked_attention(*args, attention_mask)
+                blocked, _ = module.blocked_attention(step, attention_mask)
                 torch.testing.assert_close(blocked, expected, rtol=1e-5, atol=1e-5)

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("reference", "triton", "compiled")
 IMPLEMENTATIONS = {"egmla_fused": "auto", "egmla_fused_triton": "triton", "egmla_fused_compiled": "compiled"}
-SUPPORTED_DECODE_VERSION = 2  # of the model's EGMLALatentDecode
+SUPPORTED_DECODE_VERSION = 3  # of the model's EGMLALatentDecode
 KERNEL_OVERRIDE = os.environ.get("EGMLA_KERNEL")  # read once: a process-wide choice, not a per-call switch
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _logged: set[str] = set()
