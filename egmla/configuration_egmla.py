@@ -7,16 +7,72 @@ values (or whose latent) are multiplied by a gate built from a per-token embeddi
 This file is also shipped as Hub remote code: it imports only transformers, torch and huggingface_hub.
 """
 
-from huggingface_hub.dataclasses import strict
+from typing import Literal, get_args
+
+from huggingface_hub.dataclasses import strict, validated_field
+from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 # The cache layer type registered by `modeling_egmla.EGMLALatentCacheLayer`.
 EGMLA_LAYER_TYPE = "egmla_latent_attention"
-GATE_POSITIONS = ("kv", "latent")
-GATE_NORMS = ("rms", "none")
-ROPE_MODES = ("decoupled", "exact")
+GatePosition = Literal["kv", "latent"]
+GateNorm = Literal["rms", "none"]
+RopeMode = Literal["decoupled", "exact"]
+GATE_POSITIONS, GATE_NORMS, ROPE_MODES = get_args(GatePosition), get_args(GateNorm), get_args(RopeMode)
+
+
+# Single-field rules, declared on the fields below (`validated_field`); each raises with what the value must be.
+def positive(value: int) -> None:
+    if value <= 0:
+        raise ValueError(f"must be positive, got {value}")
+
+
+def non_negative(value: float) -> None:
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {value}")
+
+
+def positive_or_none(value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"must be None (full rank) or positive, got {value}")
+
+
+def even(value: int | None) -> None:
+    if value is not None and value % 2:
+        raise ValueError(f"must be even (rotary pairs), got {value}")
+
+
+def positive_ranks(value: int | list[int]) -> None:
+    if any(rank <= 0 for rank in (value if isinstance(value, list) else [value])):
+        raise ValueError(f"must be positive (or a list of positive ranks), got {value}")
+
+
+def below_one(value: float) -> None:
+    if not 0 <= value < 1:
+        raise ValueError(f"must be in [0, 1), got {value}")
+
+
+def activation(value: str) -> None:
+    if value not in ACT2FN:
+        raise ValueError(f"{value!r} is not a transformers activation")
+
+
+def field_errors_as_value_errors(cls: type) -> type:
+    """`strict` raises its own error type for a bad field; the README promises a `ValueError` naming the field."""
+    strict_setattr = cls.__setattr__
+
+    def __setattr__(self, name: str, value) -> None:
+        try:
+            strict_setattr(self, name, value)
+        except StrictDataclassFieldValidationError as error:
+            reason = str(error.__cause__).removeprefix(f"Field '{name}' ")
+            raise ValueError(f"`{name}` {reason}.") from error
+
+    cls.__setattr__ = __setattr__
+    return cls
+
 
 # The paper's 120M models (design note, section 1): 12 layers, d = 768, 12 heads, GPT-2 vocabulary.
 _PAPER_BASE = {
@@ -41,6 +97,7 @@ PRESETS: dict[str, dict] = {
 }
 
 
+@field_errors_as_value_errors
 @strict
 class EGMLAConfig(PreTrainedConfig):
     r"""
@@ -96,37 +153,37 @@ class EGMLAConfig(PreTrainedConfig):
         "norm": (["hidden_states"], ["hidden_states"]),
     }
 
-    vocab_size: int = 50257
-    hidden_size: int = 768
-    intermediate_size: int = 2048
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    q_lora_rank: int | None = None
-    kv_lora_rank: int | list[int] = 64
-    qk_nope_head_dim: int = 64
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 64
-    rope_key_heads: int = 1
-    rope_mode: str = "decoupled"
-    gate_embedding_dim: int = 256
-    gate_position: str = "kv"
-    gate_norm: str = "rms"
-    gate_layers_per_table: int = 1
+    vocab_size: int = validated_field(positive, default=50257)
+    hidden_size: int = validated_field(positive, default=768)
+    intermediate_size: int = validated_field(positive, default=2048)
+    num_hidden_layers: int = validated_field(positive, default=12)
+    num_attention_heads: int = validated_field(positive, default=12)
+    q_lora_rank: int | None = validated_field(positive_or_none, default=None)
+    kv_lora_rank: int | list[int] = validated_field(positive_ranks, default=64)
+    qk_nope_head_dim: int = validated_field(non_negative, default=64)
+    qk_rope_head_dim: int = validated_field([positive, even], default=64)
+    v_head_dim: int = validated_field(positive, default=64)
+    rope_key_heads: int = validated_field(positive, default=1)
+    rope_mode: RopeMode = "decoupled"
+    gate_embedding_dim: int = validated_field(non_negative, default=256)
+    gate_position: GatePosition = "kv"
+    gate_norm: GateNorm = "rms"
+    gate_layers_per_table: int = validated_field(positive, default=1)
     offload_gate_tables: bool = False
     kv_latent_norm: bool = True
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 2048
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-6
+    hidden_act: str = validated_field(activation, default="silu")
+    max_position_embeddings: int = validated_field(positive, default=2048)
+    initializer_range: float = validated_field(non_negative, default=0.02)
+    rms_norm_eps: float = validated_field(positive, default=1e-6)
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     tie_word_embeddings: bool = False
     rope_parameters: RopeParameters | dict | None = None
-    rope_frequency_dim: int | None = None
+    rope_frequency_dim: int | None = validated_field(even, default=None)
     rope_frequency_indices: list[list[list[int]]] | None = None
-    attention_dropout: float | int = 0.0
+    attention_dropout: float | int = validated_field(below_one, default=0.0)
     layer_types: list[str] | None = None
 
     def __post_init__(self, **kwargs):
@@ -184,111 +241,58 @@ class EGMLAConfig(PreTrainedConfig):
         return sum(self.layer_kv_lora_rank(i) + self.rope_key_width for i in range(self.num_hidden_layers))
 
     def validate_architecture(self):
-        """Part of `@strict` validation: every rule names its field."""
-        positive = (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "qk_rope_head_dim",
-            "v_head_dim",
-            "rope_key_heads",
-            "gate_layers_per_table",
-            "max_position_embeddings",
+        """The rules between fields (each field's own rule is declared on it); every error names its field."""
+        ranks = (
+            self.kv_lora_rank if isinstance(self.kv_lora_rank, list) else [self.kv_lora_rank] * self.num_hidden_layers
         )
-        for name in positive:
-            value = getattr(self, name)
-            if value <= 0:
-                raise ValueError(f"`{name}` must be a positive integer, got {value}.")
-        for name in ("qk_nope_head_dim", "gate_embedding_dim"):
-            value = getattr(self, name)
-            if value < 0:
-                raise ValueError(f"`{name}` must be >= 0, got {value}.")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(f"`qk_rope_head_dim` must be even (rotary pairs), got {self.qk_rope_head_dim}.")
-        ranks = self.kv_lora_rank if isinstance(self.kv_lora_rank, list) else [self.kv_lora_rank]
-        if any(rank <= 0 for rank in ranks):
-            raise ValueError(f"`kv_lora_rank` must be positive (or a list of positive ranks), got {self.kv_lora_rank}.")
-        if isinstance(self.kv_lora_rank, list) and len(self.kv_lora_rank) != self.num_hidden_layers:
-            raise ValueError(
-                f"`kv_lora_rank` lists {len(self.kv_lora_rank)} ranks for {self.num_hidden_layers} layers."
-            )
-        self.validate_rope_frequencies()
-        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
-            raise ValueError(f"`q_lora_rank` must be None (full-rank query) or positive, got {self.q_lora_rank}.")
+        if len(ranks) != self.num_hidden_layers:
+            raise ValueError(f"`kv_lora_rank` lists {len(ranks)} ranks for {self.num_hidden_layers} layers.")
         if self.num_attention_heads % self.rope_key_heads:
             raise ValueError(
-                f"`num_attention_heads` ({self.num_attention_heads}) must be divisible by `rope_key_heads` "
-                f"({self.rope_key_heads}): each rope key serves an equal group of query heads."
+                f"`rope_key_heads` ({self.rope_key_heads}) must divide `num_attention_heads` "
+                f"({self.num_attention_heads}): each rope key serves an equal group of query heads."
             )
         if self.num_hidden_layers % self.gate_layers_per_table:
             raise ValueError(
-                f"`num_hidden_layers` ({self.num_hidden_layers}) must be divisible by `gate_layers_per_table` "
-                f"({self.gate_layers_per_table}): every gate table serves an equal group of layers."
+                f"`gate_layers_per_table` ({self.gate_layers_per_table}) must divide `num_hidden_layers` "
+                f"({self.num_hidden_layers}): every gate table serves an equal group of layers."
             )
-        if self.gate_position not in GATE_POSITIONS:
-            raise ValueError(f"`gate_position` must be one of {GATE_POSITIONS}, got {self.gate_position!r}.")
-        if self.rope_mode not in ROPE_MODES:
-            raise ValueError(f"`rope_mode` must be one of {ROPE_MODES}, got {self.rope_mode!r}.")
         if self.rope_mode == "exact" and (self.rope_key_heads != 1 or self.rope_frequency_indices is not None):
             raise ValueError(
                 "`rope_mode` 'exact' rotates every head's rebuilt key with the first qk_rope_head_dim // 2 "
                 f"frequencies: it takes rope_key_heads=1 and no rope_frequency_indices (got {self.rope_key_heads}, "
                 f"{self.rope_frequency_indices})."
             )
-        if self.gate_norm not in GATE_NORMS:
-            raise ValueError(f"`gate_norm` must be one of {GATE_NORMS}, got {self.gate_norm!r}.")
-        if self.hidden_act not in ACT2FN:
-            raise ValueError(f"`hidden_act` {self.hidden_act!r} is not a transformers activation.")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"`rms_norm_eps` must be positive, got {self.rms_norm_eps}.")
-        if not 0 <= self.attention_dropout < 1:
-            raise ValueError(f"`attention_dropout` must be in [0, 1), got {self.attention_dropout}.")
-        if self.initializer_range < 0:
-            raise ValueError(f"`initializer_range` must be >= 0, got {self.initializer_range}.")
+        self.validate_rope_frequencies()
         rope_type = self.rope_parameters.get("rope_type", "default")
-        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+        if rope_type != "default" and (rope_type not in ROPE_INIT_FUNCTIONS or "factor" not in self.rope_parameters):
             raise ValueError(
-                f"`rope_parameters` has rope_type {rope_type!r}, not one of transformers' rope types "
-                f"{['default', *ROPE_INIT_FUNCTIONS]}."
+                f"`rope_parameters` must name one of transformers' rope types {['default', *ROPE_INIT_FUNCTIONS]} "
+                f"and, but for default and longrope, a `factor`; got {self.rope_parameters}."
             )
-        if rope_type != "default" and "factor" not in self.rope_parameters and rope_type != "longrope":
-            raise ValueError(f"`rope_parameters` of type {rope_type!r} needs a `factor`.")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
-            for token_id in value if isinstance(value, list) else [value]:
-                if token_id is not None and not 0 <= token_id < self.vocab_size:
-                    raise ValueError(
-                        f"`{name}` must be None or lie in [0, vocab_size={self.vocab_size}), got {token_id}."
-                    )
+            if any(token_id is not None and not 0 <= token_id < self.vocab_size for token_id in _as_list(value)):
+                raise ValueError(f"`{name}` must be None or lie in [0, vocab_size={self.vocab_size}), got {value}.")
 
     def validate_rope_frequencies(self):
-        frequency_dim = self.rope_frequency_dim or self.qk_rope_head_dim
-        if frequency_dim % 2:
-            raise ValueError(f"`rope_frequency_dim` must be even, got {frequency_dim}.")
-        if self.rope_frequency_indices is None:
-            # Without indices the rope pairs take the first frequencies, so there must be enough of them.
-            if frequency_dim < self.qk_rope_head_dim:
-                raise ValueError(
-                    f"`rope_frequency_dim` ({frequency_dim}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim}) "
-                    "unless `rope_frequency_indices` says which frequency each pair uses."
-                )
+        frequencies = (self.rope_frequency_dim or self.qk_rope_head_dim) // 2
+        indices, pairs = self.rope_frequency_indices, self.qk_rope_head_dim // 2
+        if indices is None and frequencies < pairs:  # the pairs take the first frequencies: there must be enough
+            raise ValueError(
+                f"`rope_frequency_dim` ({2 * frequencies}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim}) "
+                "unless `rope_frequency_indices` says which frequency each pair uses."
+            )
+        if indices is None:
             return
-        indices = self.rope_frequency_indices
-        pairs = self.qk_rope_head_dim // 2
-        if len(indices) != self.num_hidden_layers or any(
-            len(layer) != self.rope_key_heads or any(len(head) != pairs for head in layer) for layer in indices
-        ):
+        shape = [[len(head) for head in layer] for layer in indices]
+        if shape != [[pairs] * self.rope_key_heads] * self.num_hidden_layers:
             raise ValueError(
                 f"`rope_frequency_indices` must hold, for each of the {self.num_hidden_layers} layers, "
                 f"{self.rope_key_heads} lists (one per rope key head) of {pairs} frequency indices, got {indices}."
             )
-        if any(not 0 <= index < frequency_dim // 2 for layer in indices for head in layer for index in head):
-            raise ValueError(
-                f"`rope_frequency_indices` must lie in [0, rope_frequency_dim // 2 = {frequency_dim // 2}), "
-                f"got {indices}."
-            )
+        if any(not 0 <= index < frequencies for layer in indices for head in layer for index in head):
+            raise ValueError(f"`rope_frequency_indices` must lie in [0, rope_frequency_dim // 2 = {frequencies}).")
 
     def to_dict(self) -> dict:
         """As saved: `layer_types` is left out while it is the default (every layer egmla's), so that tools that
@@ -309,6 +313,10 @@ class EGMLAConfig(PreTrainedConfig):
                 f"`layer_types` has {len(self.layer_types)} entries but `num_hidden_layers` is "
                 f"{self.num_hidden_layers}."
             )
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
 
 
 __all__ = ["EGMLAConfig"]

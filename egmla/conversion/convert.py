@@ -17,14 +17,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM, PreTrainedModel
 
-from ..configuration_egmla import EGMLAConfig
+from ..configuration_egmla import GATE_POSITIONS, ROPE_MODES, EGMLAConfig
 from ..modeling_egmla import EGMLAForCausalLM
 from .calibration import Calibration, LayerStatistics, layer_statistics
 from .factorization import FACTORIZATIONS, RANK_ALLOCATIONS, Factorization, allocate_ranks, factorize, output_weights
-from .rope import PAIR_SELECTIONS, ROPE_KEYS, ROPE_MODES, RopeSplit, llama_rope_parameters, split_rope
+from .rope import PAIR_SELECTIONS, ROPE_KEYS, RopeSplit, llama_rope_parameters, split_rope
 from .source import load_llama
-
-GATE_POSITIONS = ("kv", "latent")
 
 
 @dataclass(frozen=True)

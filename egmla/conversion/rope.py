@@ -10,7 +10,6 @@ from transformers import LlamaForCausalLM
 from .calibration import LayerStatistics
 
 ROPE_KEYS = ("shared", "per_head")
-ROPE_MODES = ("decoupled", "exact")
 PAIR_SELECTIONS = ("rotation", "norm")
 
 
