@@ -17,6 +17,7 @@ import torch
 
 from egmla.bench.decode import decode_state
 from egmla.bench.models import build, paper_dims
+from egmla.modeling_egmla import gate_norm_scale
 
 
 def median_ms(function, repetitions: int = 5) -> float:
@@ -56,7 +57,7 @@ def main() -> None:
         "gate gather and multiply": lambda: (
             expanded * gate_values.index_select(0, index).view(batch, context, heads, -1).transpose(1, 2)
         ),
-        "gate norm scale (one pass; its weight folded)": lambda: attention.gate_norm_scale(expanded),
+        "gate norm scale (one pass; its weight folded)": lambda: gate_norm_scale(attention, expanded),
         "attention products (q.k, p.v)": lambda: (
             torch.matmul(query, expanded[..., : config.qk_nope_head_dim].mT),
             torch.matmul(probs, expanded[..., config.qk_nope_head_dim :]),

@@ -19,7 +19,13 @@ import torch
 
 from egmla import EGMLAConfig, EGMLAForCausalLM
 from egmla.kernels import KVDecodeInputs, KVDecodeWeights, LatentDecodeInputs, bool_mask, triton_decode
-from egmla.modeling_egmla import LATENT_DECODE_VERSION, EGMLAGateRows, EGMLALatentDecode
+from egmla.modeling_egmla import (
+    LATENT_DECODE_VERSION,
+    EGMLAGateRows,
+    EGMLALatentDecode,
+    absorbed_attention,
+    expand_kv,
+)
 
 
 def timed(function, repetitions: int, device: torch.device) -> float:
@@ -108,7 +114,7 @@ def decode_case(module, batch_size: int, context: int, device: torch.device):
             return triton_decode.decode_kv(inputs, weights)
 
         def reference():
-            key, value = module.expand_kv(latent, rope_key, gate_rows, key_rotary)
+            key, value = expand_kv(module, latent, rope_key, gate_rows, key_rotary)
             return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=module.scaling)
 
         # The cache, the gate rows and the weights read once; expansion, gate and attention FLOPs.
@@ -123,7 +129,7 @@ def decode_case(module, batch_size: int, context: int, device: torch.device):
 
         def reference():
             step = EGMLALatentDecode(LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, None, None)
-            return module.absorbed_attention(step, None)
+            return absorbed_attention(module, step, None)
 
         read = (latent.numel() + rope_key.numel()) * 2
         flops = 2 * batch_size * heads * context * (rank + rope + rank)

@@ -635,7 +635,7 @@ class EGMLAAttention(nn.Module):
         # Per head, the key dims rebuilt from the latent: the NoPE dims, and in "exact" mode the rope dims too.
         self.rebuilt_key_dim = self.qk_nope_head_dim + (self.qk_rope_head_dim if self.rope_mode == "exact" else 0)
         # Which of the F rotary dims each rope key head (and its query group) uses; None = all F, one for all.
-        self.rope_dims = self.rotary_dims(config, layer_idx)
+        self.rope_dims = rotary_dims(config, layer_idx)
         self.rope_dims_tensor: torch.Tensor | None = None
         self.gate_position = config.gate_position
         # Decoding can fold W^{UK} into the query and attend over the cached latent itself (MQA) when no gate sits
@@ -674,16 +674,6 @@ class EGMLAAttention(nn.Module):
             if config.gate_norm == "rms":
                 self.gate_norm = EGMLARMSNorm(gated_width, eps=config.rms_norm_eps)
 
-    @staticmethod
-    def rotary_dims(config: EGMLAConfig, layer_idx: int) -> list[list[int]] | None:
-        indices = config.rope_frequency_indices
-        if indices is None and config.head_dim == config.qk_rope_head_dim:
-            return None
-        heads = indices[layer_idx] if indices is not None else [list(range(config.qk_rope_head_dim // 2))]
-        half = config.head_dim // 2
-        # Half-split layout: pair j of a head sits at dims j and j + dr/2, frequency f at dims f and f + F/2.
-        return [head + [index + half for index in head] for head in heads]
-
     def select_rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, S, F] -> [B, 1, S, dr] (every head alike) or [B, Hr, S, dr] (per rope key head)."""
         if self.rope_dims is None:
@@ -702,256 +692,10 @@ class EGMLAAttention(nn.Module):
         """states [B, T, W] * (1 + W^{UE} e) [B, T, W], the product computed once per row and gathered."""
         return states * gate_block(1 + self.gate_embedding_proj(gate_rows.rows), gate_rows, 0, gate_rows.length)
 
-    def expand_kv(
-        self,
-        latent: torch.Tensor,
-        rope_key: torch.Tensor,
-        gate_rows: EGMLAGateRows | None,
-        key_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr] -> key [B, H, T, dn+dr], value [B, H, T, dv].
-
-        In "exact" mode the rope dims come from the latent too, rotated by `key_rotary` (cos, sin of every cached
-        token's position, [B, 1, T, dr])."""
-        batch_size, _, seq_length, _ = latent.shape
-        kv = self.kv_b_proj(latent[:, 0])  # [B, T, H*(dk+dv)], dk = rebuilt key dims; called: adapters act
-        if self.gate_position == "kv" and self.gate_embedding_proj is not None:
-            kv = kv * gate_block(1 + self.gate_embedding_proj(gate_rows.rows), gate_rows, 0, seq_length)
-        kv = kv.view(batch_size, seq_length, self.num_heads, self.rebuilt_key_dim + self.v_head_dim)
-        if self.gate_position == "kv" and self.gate_norm is not None:
-            kv = self.gate_norm(kv)
-        key, value = kv.transpose(1, 2).split([self.rebuilt_key_dim, self.v_head_dim], dim=-1)
-        if self.rope_mode == "exact":
-            return self.rotate_key(key, key_rotary), value
-        k_rope = rope_key.view(batch_size, seq_length, self.rope_key_heads, self.qk_rope_head_dim).transpose(1, 2)
-        k_rope = k_rope.repeat_interleave(self.num_heads // self.rope_key_heads, dim=1)  # [B, H, T, dr]
-        return torch.cat([key, k_rope], dim=-1), value
-
-    def blocked_attention(
-        self, step: EGMLALatentDecode, attention_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, None]:
-        """The re-expansion decode, DECODE_BLOCK cached positions at a time with an online softmax (flash-decoding
-        in PyTorch): each block's expanded K/V is used while it is in fast memory, instead of the whole context
-        expanded into main memory and read back pass after pass (`egmla bench decode` measures it). New queries
-        [B, H, S, .] over the cache; returns [B, S, H, dv]."""
-        q_nope, q_rope, latent, rope_key, gate_rows, key_rotary = step[1:7]
-        batch_size, heads, query_length, _ = q_nope.shape
-        key_length = latent.shape[2]
-        gate = None  # [U, H*(dk+dv)], once per distinct token; with a row per position, computed block by block
-        if self.gate_position == "kv" and self.gate_embedding_proj is not None and gate_rows.index is not None:
-            gate = 1 + self.gate_embedding_proj(gate_rows.rows)
-        rope_scores = None  # decoupled rope keys are cached as used: their scores [B, H, S, T] in one product
-        if self.rope_mode == "decoupled":
-            rope_scores = self.rope_scores(q_rope, rope_key)
-        fold_norm = self.folds_gate_norm(decoupled=rope_scores is not None)
-        if fold_norm:
-            key_weight, value_weight = self.gate_norm.weight.split([self.rebuilt_key_dim, self.v_head_dim])
-            q_nope = q_nope * key_weight
-        query = torch.cat([q_nope, q_rope], dim=-1) if rope_scores is None else q_nope
-        kv_weight = self.kv_b_weight(like=latent)  # [H, dk+dv, r], read once (an adapter's too)
-        if attention_mask is None and query_length > 1:
-            attention_mask = causal_mask(query_length, key_length, latent.device)
-        running_max = q_nope.new_full((batch_size, heads, query_length, 1), float("-inf"), dtype=torch.float32)
-        running_sum = torch.zeros_like(running_max)
-        output = q_nope.new_zeros(batch_size, heads, query_length, self.v_head_dim, dtype=torch.float32)
-        for start in range(0, key_length, DECODE_BLOCK):
-            end = min(start + DECODE_BLOCK, key_length)
-            block_gate = self.block_gate(gate, gate_rows, start, end)
-            kv = self.rebuild_block(latent[:, :, start:end], block_gate, kv_weight, normed=not fold_norm)
-            key, value = kv.split([self.rebuilt_key_dim, self.v_head_dim], dim=-1)
-            norm_scale = self.gate_norm_scale(kv).unsqueeze(2) if fold_norm else 1.0  # [B, H, 1, t]
-            if rope_scores is None:  # "exact" rope: the rebuilt rope dims turn with each cached position
-                rotary = tuple(part[:, :, start:end] for part in key_rotary)
-                scores = torch.matmul(query, self.rotate_key(key, rotary).mT)
-            else:
-                scores = torch.matmul(query, key.mT) * norm_scale + rope_scores[..., start:end]
-            mask = attention_mask[..., start:end] if attention_mask is not None else None
-            scores = mask_scores(scores.float() * self.scaling, mask)
-            block_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
-            # A row masked out so far keeps -inf as its maximum: its rescale is 1 and its weights 0, not NaN.
-            safe_max = block_max.masked_fill(torch.isinf(block_max), 0.0)
-            probs = torch.exp(scores - safe_max)
-            rescale = torch.exp(running_max - safe_max)
-            running_sum = running_sum * rescale + probs.sum(dim=-1, keepdim=True)
-            weights = probs * norm_scale if fold_norm else probs
-            output = output * rescale + torch.matmul(weights.to(value.dtype), value).float()
-            running_max = block_max
-        output = output / running_sum
-        if fold_norm:
-            output = output * value_weight
-        return output.to(q_nope.dtype).transpose(1, 2), None
-
-    def folds_gate_norm(self, decoupled: bool) -> bool:
-        """Whether the blocked decode folds the gate norm's weight into the query (keys) and onto the output
-        (values), and its per-position scale into the scores and weights: two passes fewer over each block. Not in
-        "exact" rope mode (the normed keys are turned), nor under an offload hook (it materializes the weight only
-        when the norm is called)."""
-        norm = self.gate_norm
-        return decoupled and self.gate_position == "kv" and norm is not None and not hasattr(norm, "_hf_hook")
-
-    def block_gate(
-        self, gate: torch.Tensor | None, gate_rows: EGMLAGateRows | None, start: int, end: int
-    ) -> torch.Tensor | None:
-        """The gate on K/V [B, t, H*(dk+dv)] of cached positions start..end (None with no gate on K/V)."""
-        if gate is not None:
-            return gate_block(gate, gate_rows, start, end)
-        if self.gate_position != "kv" or self.gate_embedding_proj is None:
-            return None
-        rows = gate_rows.rows.view(gate_rows.batch_size, gate_rows.length, -1)[:, start:end]
-        return 1 + self.gate_embedding_proj(rows)  # made while the block is used: [B*T, H*(dk+dv)] never is
-
-    def rope_scores(self, q_rope: torch.Tensor, rope_key: torch.Tensor) -> torch.Tensor:
-        """q_rope [B, H, S, dr] . rope_key [B, 1, T, Hr*dr] -> [B, H, S, T]: each rope key serves its group of
-        query heads, folded into the rows of one batched product (no copy per head)."""
-        batch_size, heads, query_length, _ = q_rope.shape
-        key_length, group = rope_key.shape[2], heads // self.rope_key_heads
-        if self.rope_key_heads == 1:  # one rope key for all heads: the cache is read where it lies, not copied
-            q_rope = q_rope.reshape(batch_size, heads * query_length, self.qk_rope_head_dim)
-            return torch.bmm(q_rope, rope_key[:, 0].mT).view(batch_size, heads, query_length, key_length)
-        q_rope = q_rope.reshape(batch_size * self.rope_key_heads, group * query_length, self.qk_rope_head_dim)
-        k_rope = rope_key[:, 0].view(batch_size, key_length, self.rope_key_heads, self.qk_rope_head_dim)
-        k_rope = k_rope.permute(0, 2, 3, 1).reshape(batch_size * self.rope_key_heads, self.qk_rope_head_dim, -1)
-        return torch.bmm(q_rope, k_rope).view(batch_size, heads, query_length, key_length)
-
-    def rebuild_block(
-        self, latent: torch.Tensor, gate: torch.Tensor | None, kv_weight: torch.Tensor, normed: bool = True
-    ) -> torch.Tensor:
-        """latent [B, 1, t, r] and its gate [B, t, H*(dk+dv)] -> the rebuilt key dims and values [B, H, t, dk+dv],
-        gated (and normed), made per head by one product with W^{UKV} [H, dk+dv, r] (no transpose copy after)."""
-        batch_size, _, seq_length, _ = latent.shape
-        kv = torch.einsum("btr,hcr->bhtc", latent[:, 0], kv_weight)
-        if gate is not None:
-            kv = kv * gate.view(batch_size, seq_length, self.num_heads, -1).transpose(1, 2)
-        if normed and self.gate_position == "kv" and self.gate_norm is not None:
-            kv = self.gate_norm(kv)
-        return kv
-
-    def gate_norm_scale(self, kv: torch.Tensor) -> torch.Tensor:
-        """The gate norm's scale 1 / rms [B, H, t] of each position's gated K/V [B, H, t, dk+dv], in float32."""
-        mean_square = torch.linalg.vector_norm(kv.float(), dim=-1).square() / kv.shape[-1]  # one pass, no kv**2
-        return torch.rsqrt(mean_square + self.gate_norm.variance_epsilon)
-
-    def rotate_key(self, key: torch.Tensor, key_rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """ "exact" rope: the rebuilt keys [B, H, t, dn+dr] with their rope dims turned by cos, sin [B, 1, t, dr]."""
-        k_nope, k_rope = key.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        return torch.cat([k_nope, apply_rotary(k_rope, *key_rotary)], dim=-1)
-
     def kv_b_weight(self, like: torch.Tensor) -> torch.Tensor:
         """W^{UKV} as [H, dk+dv, r] (dk = the key dims rebuilt from the latent)."""
         weight = linear_weight(self.kv_b_proj, self.kv_lora_rank, like)
         return weight.view(self.num_heads, self.rebuilt_key_dim + self.v_head_dim, self.kv_lora_rank)
-
-    def absorbed_weights(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """W^{UK} as [H, dn, r] and W^{UV} transposed as [H, r, dv], contiguous for the absorbed decode's batched
-        products; made once per weight version and kept while no gradient flows (an adapter's effective weight, or
-        a weight being trained, is made at every call)."""
-        weight = self.kv_b_weight(like=like)
-        parameter = plain_weight(self.kv_b_proj)  # an adapter's weight is made anew at each call: never kept
-        reusable = parameter is not None and not torch.compiler.is_compiling()
-        reusable = reusable and not (torch.is_grad_enabled() and parameter.requires_grad)
-        key = (parameter.data_ptr(), parameter._version, parameter.dtype, parameter.device) if reusable else None
-        cached = getattr(self, "_absorbed_weights", None)
-        if key is not None and cached is not None and cached[0] == key:
-            return cached[1]
-        w_uk, w_uv = weight.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
-        weights = (w_uk.contiguous(), w_uv.transpose(1, 2).contiguous())
-        if key is not None:
-            self._absorbed_weights = (key, weights)
-        return weights
-
-    def absorbed_attention(
-        self, step: EGMLALatentDecode, attention_mask: torch.Tensor | None, need_weights: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """MQA over the cached latent (W^{UK} folded into the query, W^{UV} applied after the weighted sum): by SDPA
-        over the cached rows `[latent ; rope key]` where the cache keeps them side by side and one rope key serves
-        every head, else (or for the attention weights) by batched products.
-
-        Returns the output [B, S, H, dv] and the attention weights [B, H, S, T] (None from SDPA).
-        """
-        batch_size, heads, query_length, _ = step.q_nope.shape
-        w_uk, w_uv = self.absorbed_weights(like=step.latent)  # [H, dn, r], [H, r, dv]
-        q_nope = step.q_nope.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
-        q_latent = torch.bmm(q_nope, w_uk).view(heads, batch_size, query_length, -1).transpose(0, 1)  # [B, H, S, r]
-        rows = step.cached_rows if step.rope_key.shape[-1] and not need_weights and self.rope_key_heads == 1 else None
-        if rows is not None:
-            out_latent, probs = latent_sdpa(q_latent, step.q_rope, rows, attention_mask, self.scaling), None
-        else:
-            out_latent, probs = self.latent_attention(q_latent, step.q_rope, step.latent, step.rope_key, attention_mask)
-        out_latent = out_latent.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
-        output = torch.bmm(out_latent, w_uv)  # [H, B*S, dv]
-        return output.view(heads, batch_size, query_length, -1).permute(1, 2, 0, 3), probs
-
-    def latent_attention(
-        self,
-        q_latent: torch.Tensor,
-        q_rope: torch.Tensor,
-        latent: torch.Tensor,
-        rope_key: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax of q_latent . latent + q_rope . rope key over the cache: q_latent [B, H, S, r] -> the weighted
-        sum of latents [B, H, S, r] and the weights [B, H, S, T]."""
-        batch_size, heads, query_length, rank = q_latent.shape
-        key_length = latent.shape[2]
-        latent = latent[:, 0]  # [B, T, r], shared by every head
-        # The scale goes on the queries ([B, H, S, .]), not on the scores ([B, H, S, T]).
-        rope_scores = self.rope_scores(q_rope * self.scaling, rope_key)  # [B, H, S, T]
-        q_latent = (q_latent * self.scaling).reshape(batch_size, heads * query_length, rank)
-        # The query heads fold into the rows of one batched product (no head copies the latent), the rope scores
-        # added inside it.
-        scores = torch.baddbmm(rope_scores.view(batch_size, heads * query_length, key_length), q_latent, latent.mT)
-        scores = mask_scores(scores.view(batch_size, heads, query_length, key_length), attention_mask)
-        probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
-        probs = nn.functional.dropout(probs, p=self.attention_dropout, training=self.training)
-        out_latent = torch.bmm(probs.view(batch_size, heads * query_length, key_length), latent)  # [B, H*S, r]
-        return out_latent.view(batch_size, heads, query_length, rank), probs
-
-    def decode_attention(
-        self, step: EGMLALatentDecode, attention_mask: torch.Tensor | None, **kwargs: Unpack[TransformersKwargs]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """New queries [B, H, S, .] over the whole cache, by the first path that applies: a latent-decode kernel of
-        the attention implementation (`egmla_fused*`, see the contract above), the absorbed MQA (gate off or on the
-        latent, decoupled rope), or the re-expansion of every cached latent (gate on K/V: the paper's form allows
-        no absorption; "exact" rope: every rebuilt key is rotated)."""
-        implementation = self.config._attn_implementation
-        if implementation.startswith(LATENT_DECODE_PREFIX):
-            output, _ = ALL_ATTENTION_FUNCTIONS[implementation](
-                self, None, None, None, attention_mask, latent_decode=step
-            )
-            if output is not None:
-                return output, None
-        need_weights = implementation == "eager" or bool(kwargs.get("output_attentions"))
-        if self.absorbs:
-            return self.absorbed_attention(step, attention_mask, need_weights)
-        if need_weights:  # the attention weights, where asked for
-            return self.expanded_attention(step, attention_mask, **kwargs)
-        return self.blocked_attention(step, attention_mask)
-
-    def expanded_attention(
-        self, step: EGMLALatentDecode, attention_mask: torch.Tensor | None, **kwargs: Unpack[TransformersKwargs]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The configured attention function (sdpa, eager, ...) over per-head keys and values expanded from the
-        latent: prefill, training, and decoding that cannot absorb."""
-        q_nope, q_rope = step.q_nope, step.q_rope
-        key, value = self.expand_kv(step.latent, step.rope_key, step.gate_rows, step.key_rotary)
-        implementation = self.config._attn_implementation
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        padding = key.shape[-1] - value.shape[-1]
-        if padding > 0 and (implementation == "sdpa" or implementation.startswith(LATENT_DECODE_PREFIX)):
-            # SDPA's fused kernels need equal key and value widths (else its slow math path runs): zero-pad the
-            # values, and drop the zero outputs.
-            value = nn.functional.pad(value, (0, padding))
-        attn_output, attn_weights = attention_interface(
-            self,
-            torch.cat([q_nope, q_rope], dim=-1),
-            key,
-            value,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )
-        return attn_output[..., : self.v_head_dim], attn_weights
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -1005,11 +749,297 @@ class EGMLAAttention(nn.Module):
         # SDPA's top-left causal mask over the expanded heads is exact there, the decode paths' bottom-right is not.
         decoding = latent.shape[2] > seq_length and (seq_length == 1 or attention_mask is not None)
         if cache is not None and decoding and not self.training:
-            attn_output, attn_weights = self.decode_attention(step, attention_mask, **kwargs)
+            attn_output, attn_weights = decode_attention(self, step, attention_mask, **kwargs)
         else:
-            attn_output, attn_weights = self.expanded_attention(step, attention_mask, **kwargs)
+            attn_output, attn_weights = expanded_attention(self, step, attention_mask, **kwargs)
         attn_output = self.o_proj(attn_output.reshape(batch_size, seq_length, -1))
         return attn_output, attn_weights
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decode paths: the attention algorithms over the latent, as functions of the layer and the step
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def rotary_dims(config: EGMLAConfig, layer_idx: int) -> list[list[int]] | None:
+    indices = config.rope_frequency_indices
+    if indices is None and config.head_dim == config.qk_rope_head_dim:
+        return None
+    heads = indices[layer_idx] if indices is not None else [list(range(config.qk_rope_head_dim // 2))]
+    half = config.head_dim // 2
+    # Half-split layout: pair j of a head sits at dims j and j + dr/2, frequency f at dims f and f + F/2.
+    return [head + [index + half for index in head] for head in heads]
+
+
+def expand_kv(
+    module: "EGMLAAttention",
+    latent: torch.Tensor,
+    rope_key: torch.Tensor,
+    gate_rows: EGMLAGateRows | None,
+    key_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr] -> key [B, H, T, dn+dr], value [B, H, T, dv].
+
+    In "exact" mode the rope dims come from the latent too, rotated by `key_rotary` (cos, sin of every cached
+    token's position, [B, 1, T, dr])."""
+    batch_size, _, seq_length, _ = latent.shape
+    kv = module.kv_b_proj(latent[:, 0])  # [B, T, H*(dk+dv)], dk = rebuilt key dims; called: adapters act
+    if module.gate_position == "kv" and module.gate_embedding_proj is not None:
+        kv = kv * gate_block(1 + module.gate_embedding_proj(gate_rows.rows), gate_rows, 0, seq_length)
+    kv = kv.view(batch_size, seq_length, module.num_heads, module.rebuilt_key_dim + module.v_head_dim)
+    if module.gate_position == "kv" and module.gate_norm is not None:
+        kv = module.gate_norm(kv)
+    key, value = kv.transpose(1, 2).split([module.rebuilt_key_dim, module.v_head_dim], dim=-1)
+    if module.rope_mode == "exact":
+        return rotate_key(module, key, key_rotary), value
+    k_rope = rope_key.view(batch_size, seq_length, module.rope_key_heads, module.qk_rope_head_dim).transpose(1, 2)
+    k_rope = k_rope.repeat_interleave(module.num_heads // module.rope_key_heads, dim=1)  # [B, H, T, dr]
+    return torch.cat([key, k_rope], dim=-1), value
+
+
+def expanded_attention(
+    module: "EGMLAAttention",
+    step: EGMLALatentDecode,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The configured attention function (sdpa, eager, ...) over per-head keys and values expanded from the
+    latent: prefill, training, and decoding that cannot absorb."""
+    q_nope, q_rope = step.q_nope, step.q_rope
+    key, value = expand_kv(module, step.latent, step.rope_key, step.gate_rows, step.key_rotary)
+    implementation = module.config._attn_implementation
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    padding = key.shape[-1] - value.shape[-1]
+    if padding > 0 and (implementation == "sdpa" or implementation.startswith(LATENT_DECODE_PREFIX)):
+        # SDPA's fused kernels need equal key and value widths (else its slow math path runs): zero-pad the
+        # values, and drop the zero outputs.
+        value = nn.functional.pad(value, (0, padding))
+    attn_output, attn_weights = attention_interface(
+        module,
+        torch.cat([q_nope, q_rope], dim=-1),
+        key,
+        value,
+        attention_mask,
+        dropout=0.0 if not module.training else module.attention_dropout,
+        scaling=module.scaling,
+        **kwargs,
+    )
+    return attn_output[..., : module.v_head_dim], attn_weights
+
+
+def decode_attention(
+    module: "EGMLAAttention",
+    step: EGMLALatentDecode,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """New queries [B, H, S, .] over the whole cache, by the first path that applies: a latent-decode kernel of
+    the attention implementation (`egmla_fused*`, see the contract above), the absorbed MQA (gate off or on the
+    latent, decoupled rope), or the re-expansion of every cached latent (gate on K/V: the paper's form allows
+    no absorption; "exact" rope: every rebuilt key is rotated)."""
+    implementation = module.config._attn_implementation
+    if implementation.startswith(LATENT_DECODE_PREFIX):
+        output, _ = ALL_ATTENTION_FUNCTIONS[implementation](
+            module, None, None, None, attention_mask, latent_decode=step
+        )
+        if output is not None:
+            return output, None
+    need_weights = implementation == "eager" or bool(kwargs.get("output_attentions"))
+    if module.absorbs:
+        return absorbed_attention(module, step, attention_mask, need_weights)
+    if need_weights:  # the attention weights, where asked for
+        return expanded_attention(module, step, attention_mask, **kwargs)
+    return blocked_attention(module, step, attention_mask)
+
+
+def absorbed_weights(module: "EGMLAAttention", like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W^{UK} as [H, dn, r] and W^{UV} transposed as [H, r, dv], contiguous for the absorbed decode's batched
+    products; made once per weight version and kept while no gradient flows (an adapter's effective weight, or
+    a weight being trained, is made at every call)."""
+    weight = module.kv_b_weight(like=like)
+    parameter = plain_weight(module.kv_b_proj)  # an adapter's weight is made anew at each call: never kept
+    reusable = parameter is not None and not torch.compiler.is_compiling()
+    reusable = reusable and not (torch.is_grad_enabled() and parameter.requires_grad)
+    key = (parameter.data_ptr(), parameter._version, parameter.dtype, parameter.device) if reusable else None
+    cached = getattr(module, "_absorbed_weights", None)
+    if key is not None and cached is not None and cached[0] == key:
+        return cached[1]
+    w_uk, w_uv = weight.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)
+    weights = (w_uk.contiguous(), w_uv.transpose(1, 2).contiguous())
+    if key is not None:
+        module._absorbed_weights = (key, weights)
+    return weights
+
+
+def absorbed_attention(
+    module: "EGMLAAttention", step: EGMLALatentDecode, attention_mask: torch.Tensor | None, need_weights: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """MQA over the cached latent (W^{UK} folded into the query, W^{UV} applied after the weighted sum): by SDPA
+    over the cached rows `[latent ; rope key]` where the cache keeps them side by side and one rope key serves
+    every head, else (or for the attention weights) by batched products.
+
+    Returns the output [B, S, H, dv] and the attention weights [B, H, S, T] (None from SDPA).
+    """
+    batch_size, heads, query_length, _ = step.q_nope.shape
+    w_uk, w_uv = absorbed_weights(module, like=step.latent)  # [H, dn, r], [H, r, dv]
+    q_nope = step.q_nope.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
+    q_latent = torch.bmm(q_nope, w_uk).view(heads, batch_size, query_length, -1).transpose(0, 1)  # [B, H, S, r]
+    rows = step.cached_rows if step.rope_key.shape[-1] and not need_weights and module.rope_key_heads == 1 else None
+    if rows is not None:
+        out_latent, probs = latent_sdpa(q_latent, step.q_rope, rows, attention_mask, module.scaling), None
+    else:
+        out_latent, probs = latent_attention(module, q_latent, step.q_rope, step.latent, step.rope_key, attention_mask)
+    out_latent = out_latent.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
+    output = torch.bmm(out_latent, w_uv)  # [H, B*S, dv]
+    return output.view(heads, batch_size, query_length, -1).permute(1, 2, 0, 3), probs
+
+
+def latent_attention(
+    module: "EGMLAAttention",
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    rope_key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of q_latent . latent + q_rope . rope key over the cache: q_latent [B, H, S, r] -> the weighted
+    sum of latents [B, H, S, r] and the weights [B, H, S, T]."""
+    batch_size, heads, query_length, rank = q_latent.shape
+    key_length = latent.shape[2]
+    latent = latent[:, 0]  # [B, T, r], shared by every head
+    # The scale goes on the queries ([B, H, S, .]), not on the scores ([B, H, S, T]).
+    rope_scores = rope_key_scores(module, q_rope * module.scaling, rope_key)  # [B, H, S, T]
+    q_latent = (q_latent * module.scaling).reshape(batch_size, heads * query_length, rank)
+    # The query heads fold into the rows of one batched product (no head copies the latent), the rope scores
+    # added inside it.
+    scores = torch.baddbmm(rope_scores.view(batch_size, heads * query_length, key_length), q_latent, latent.mT)
+    scores = mask_scores(scores.view(batch_size, heads, query_length, key_length), attention_mask)
+    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
+    probs = nn.functional.dropout(probs, p=module.attention_dropout, training=module.training)
+    out_latent = torch.bmm(probs.view(batch_size, heads * query_length, key_length), latent)  # [B, H*S, r]
+    return out_latent.view(batch_size, heads, query_length, rank), probs
+
+
+def rope_key_scores(module: "EGMLAAttention", q_rope: torch.Tensor, rope_key: torch.Tensor) -> torch.Tensor:
+    """q_rope [B, H, S, dr] . rope_key [B, 1, T, Hr*dr] -> [B, H, S, T]: each rope key serves its group of
+    query heads, folded into the rows of one batched product (no copy per head)."""
+    batch_size, heads, query_length, _ = q_rope.shape
+    key_length, group = rope_key.shape[2], heads // module.rope_key_heads
+    if module.rope_key_heads == 1:  # one rope key for all heads: the cache is read where it lies, not copied
+        q_rope = q_rope.reshape(batch_size, heads * query_length, module.qk_rope_head_dim)
+        return torch.bmm(q_rope, rope_key[:, 0].mT).view(batch_size, heads, query_length, key_length)
+    q_rope = q_rope.reshape(batch_size * module.rope_key_heads, group * query_length, module.qk_rope_head_dim)
+    k_rope = rope_key[:, 0].view(batch_size, key_length, module.rope_key_heads, module.qk_rope_head_dim)
+    k_rope = k_rope.permute(0, 2, 3, 1).reshape(batch_size * module.rope_key_heads, module.qk_rope_head_dim, -1)
+    return torch.bmm(q_rope, k_rope).view(batch_size, heads, query_length, key_length)
+
+
+def blocked_attention(
+    module: "EGMLAAttention", step: EGMLALatentDecode, attention_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, None]:
+    """The re-expansion decode, DECODE_BLOCK cached positions at a time with an online softmax (flash-decoding
+    in PyTorch): each block's expanded K/V is used while it is in fast memory, instead of the whole context
+    expanded into main memory and read back pass after pass (`egmla bench decode` measures it). New queries
+    [B, H, S, .] over the cache; returns [B, S, H, dv]."""
+    q_nope, q_rope, latent, rope_key, gate_rows, key_rotary = step[1:7]
+    batch_size, heads, query_length, _ = q_nope.shape
+    key_length = latent.shape[2]
+    gate = None  # [U, H*(dk+dv)], once per distinct token; with a row per position, computed block by block
+    if module.gate_position == "kv" and module.gate_embedding_proj is not None and gate_rows.index is not None:
+        gate = 1 + module.gate_embedding_proj(gate_rows.rows)
+    rope_scores = None  # decoupled rope keys are cached as used: their scores [B, H, S, T] in one product
+    if module.rope_mode == "decoupled":
+        rope_scores = rope_key_scores(module, q_rope, rope_key)
+    fold_norm = folds_gate_norm(module, decoupled=rope_scores is not None)
+    if fold_norm:
+        key_weight, value_weight = module.gate_norm.weight.split([module.rebuilt_key_dim, module.v_head_dim])
+        q_nope = q_nope * key_weight
+    query = torch.cat([q_nope, q_rope], dim=-1) if rope_scores is None else q_nope
+    kv_weight = module.kv_b_weight(like=latent)  # [H, dk+dv, r], read once (an adapter's too)
+    if attention_mask is None and query_length > 1:
+        attention_mask = causal_mask(query_length, key_length, latent.device)
+    running_max = q_nope.new_full((batch_size, heads, query_length, 1), float("-inf"), dtype=torch.float32)
+    running_sum = torch.zeros_like(running_max)
+    output = q_nope.new_zeros(batch_size, heads, query_length, module.v_head_dim, dtype=torch.float32)
+    for start in range(0, key_length, DECODE_BLOCK):
+        end = min(start + DECODE_BLOCK, key_length)
+        block_gate = gate_of_block(module, gate, gate_rows, start, end)
+        kv = rebuild_block(module, latent[:, :, start:end], block_gate, kv_weight, normed=not fold_norm)
+        key, value = kv.split([module.rebuilt_key_dim, module.v_head_dim], dim=-1)
+        norm_scale = gate_norm_scale(module, kv).unsqueeze(2) if fold_norm else 1.0  # [B, H, 1, t]
+        if rope_scores is None:  # "exact" rope: the rebuilt rope dims turn with each cached position
+            rotary = tuple(part[:, :, start:end] for part in key_rotary)
+            scores = torch.matmul(query, rotate_key(module, key, rotary).mT)
+        else:
+            scores = torch.matmul(query, key.mT) * norm_scale + rope_scores[..., start:end]
+        mask = attention_mask[..., start:end] if attention_mask is not None else None
+        scores = mask_scores(scores.float() * module.scaling, mask)
+        block_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
+        # A row masked out so far keeps -inf as its maximum: its rescale is 1 and its weights 0, not NaN.
+        safe_max = block_max.masked_fill(torch.isinf(block_max), 0.0)
+        probs = torch.exp(scores - safe_max)
+        rescale = torch.exp(running_max - safe_max)
+        running_sum = running_sum * rescale + probs.sum(dim=-1, keepdim=True)
+        weights = probs * norm_scale if fold_norm else probs
+        output = output * rescale + torch.matmul(weights.to(value.dtype), value).float()
+        running_max = block_max
+    output = output / running_sum
+    if fold_norm:
+        output = output * value_weight
+    return output.to(q_nope.dtype).transpose(1, 2), None
+
+
+def folds_gate_norm(module: "EGMLAAttention", decoupled: bool) -> bool:
+    """Whether the blocked decode folds the gate norm's weight into the query (keys) and onto the output
+    (values), and its per-position scale into the scores and weights: two passes fewer over each block. Not in
+    "exact" rope mode (the normed keys are turned), nor under an offload hook (it materializes the weight only
+    when the norm is called)."""
+    norm = module.gate_norm
+    return decoupled and module.gate_position == "kv" and norm is not None and not hasattr(norm, "_hf_hook")
+
+
+def gate_of_block(
+    module: "EGMLAAttention", gate: torch.Tensor | None, gate_rows: EGMLAGateRows | None, start: int, end: int
+) -> torch.Tensor | None:
+    """The gate on K/V [B, t, H*(dk+dv)] of cached positions start..end (None with no gate on K/V)."""
+    if gate is not None:
+        return gate_block(gate, gate_rows, start, end)
+    if module.gate_position != "kv" or module.gate_embedding_proj is None:
+        return None
+    rows = gate_rows.rows.view(gate_rows.batch_size, gate_rows.length, -1)[:, start:end]
+    return 1 + module.gate_embedding_proj(rows)  # made while the block is used: [B*T, H*(dk+dv)] never is
+
+
+def rebuild_block(
+    module: "EGMLAAttention",
+    latent: torch.Tensor,
+    gate: torch.Tensor | None,
+    kv_weight: torch.Tensor,
+    normed: bool = True,
+) -> torch.Tensor:
+    """latent [B, 1, t, r] and its gate [B, t, H*(dk+dv)] -> the rebuilt key dims and values [B, H, t, dk+dv],
+    gated (and normed), made per head by one product with W^{UKV} [H, dk+dv, r] (no transpose copy after)."""
+    batch_size, _, seq_length, _ = latent.shape
+    kv = torch.einsum("btr,hcr->bhtc", latent[:, 0], kv_weight)
+    if gate is not None:
+        kv = kv * gate.view(batch_size, seq_length, module.num_heads, -1).transpose(1, 2)
+    if normed and module.gate_position == "kv" and module.gate_norm is not None:
+        kv = module.gate_norm(kv)
+    return kv
+
+
+def gate_norm_scale(module: "EGMLAAttention", kv: torch.Tensor) -> torch.Tensor:
+    """The gate norm's scale 1 / rms [B, H, t] of each position's gated K/V [B, H, t, dk+dv], in float32."""
+    mean_square = torch.linalg.vector_norm(kv.float(), dim=-1).square() / kv.shape[-1]  # one pass, no kv**2
+    return torch.rsqrt(mean_square + module.gate_norm.variance_epsilon)
+
+
+def rotate_key(
+    module: "EGMLAAttention", key: torch.Tensor, key_rotary: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """ "exact" rope: the rebuilt keys [B, H, t, dn+dr] with their rope dims turned by cos, sin [B, 1, t, dr]."""
+    k_nope, k_rope = key.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
+    return torch.cat([k_nope, apply_rotary(k_rope, *key_rotary)], dim=-1)
 
 
 class EGMLADecoderLayer(GradientCheckpointingLayer):

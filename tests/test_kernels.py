@@ -9,7 +9,16 @@ import torch
 from egmla import EGMLAForCausalLM, kernels
 from egmla.kernels import dispatch, fused_torch
 from egmla.kernels.interface import KVDecodeInputs, KVDecodeWeights, LatentDecodeInputs
-from egmla.modeling_egmla import LATENT_DECODE_VERSION, EGMLAGateRows, EGMLALatentDecode, eager_attention_forward
+from egmla.modeling_egmla import (
+    LATENT_DECODE_VERSION,
+    EGMLAGateRows,
+    EGMLALatentDecode,
+    absorbed_attention,
+    blocked_attention,
+    eager_attention_forward,
+    expand_kv,
+    expanded_attention,
+)
 from tests.utils import FUSED, KERNEL, tiny_config, tiny_model
 
 triton_decode = pytest.importorskip("egmla.kernels.triton_decode", reason="Triton is not installed")
@@ -78,8 +87,8 @@ def in_float32(call: EGMLALatentDecode) -> EGMLALatentDecode:
 def reference(module, call: EGMLALatentDecode, mask: torch.Tensor) -> torch.Tensor:
     """The model's own (eager) decode path: the absorbed MQA where it is exact, else the re-expansion."""
     if module.absorbs:
-        return module.absorbed_attention(call, mask[:, None])[0]
-    key, value = module.expand_kv(call.latent, call.rope_key, call.gate_rows, call.key_rotary)
+        return absorbed_attention(module, call, mask[:, None])[0]
+    key, value = expand_kv(module, call.latent, call.rope_key, call.gate_rows, call.key_rotary)
     additive = torch.zeros(mask.shape, dtype=call.q_nope.dtype).masked_fill(~mask, torch.finfo(call.q_nope.dtype).min)
     query = torch.cat([call.q_nope, call.q_rope], dim=-1)
     return eager_attention_forward(module, query, key, value, additive[:, None], scaling=module.scaling)[0]
@@ -363,8 +372,8 @@ def test_the_absorbed_decode_equals_the_re_expansion_wherever_it_is_chosen(gate_
     assert module.absorbs
     call, mask = decode_step(module, 2, 29, 3, 4)
     additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[:, None]
-    absorbed, _ = module.absorbed_attention(call, additive)
-    expanded, _ = module.expanded_attention(call, additive)
+    absorbed, _ = absorbed_attention(module, call, additive)
+    expanded, _ = expanded_attention(module, call, additive)
     torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
     assert not attention_module("kv", rope_key_heads, 10, "rms").absorbs  # the gate on K/V sits after the cache
     assert not attention_module(gate_position, 1, gate_dim, "rms", rope_mode="exact").absorbs
@@ -402,7 +411,7 @@ def test_the_blocked_re_expansion_equals_the_whole_one(gate_position, gate_dim, 
             gate_forms.append(EGMLAGateRows(rows, index, 2, key_length))
         for gate_rows in gate_forms:
             step = call._replace(gate_rows=gate_rows)
-            expected, _ = module.expanded_attention(step, additive)
+            expected, _ = expanded_attention(module, step, additive)
             for attention_mask in masks:
-                blocked, _ = module.blocked_attention(step, attention_mask)
+                blocked, _ = blocked_attention(module, step, attention_mask)
                 torch.testing.assert_close(blocked, expected, rtol=1e-5, atol=1e-5)
