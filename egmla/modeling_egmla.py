@@ -591,7 +591,7 @@ def latent_sdpa(
 # `call` an EGMLALatentDecode, and returns (output [B, S, H, dv], None), or (None, None) to leave the step to the
 # reference path (e.g. a `version` it does not know). Bump the version whenever EGMLALatentDecode changes.
 LATENT_DECODE_PREFIX = "egmla_fused"
-LATENT_DECODE_VERSION = 3
+LATENT_DECODE_VERSION = 4
 
 
 class EGMLALatentDecode(NamedTuple):
@@ -606,6 +606,8 @@ class EGMLALatentDecode(NamedTuple):
     gate_rows: EGMLAGateRows | None  # for gate_position="kv": the gate-table rows of the context's T tokens
     key_rotary: tuple[torch.Tensor, torch.Tensor] | None  # "exact" rope: cos, sin [B, 1, T, dr] of cached positions
     cached_rows: torch.Tensor | None = None  # [B, 1, T, r + Hr*dr]: latent and rope key side by side, as cached
+    kv_weight: torch.Tensor | None = None  # decoding: W^{UKV} [H, dk+dv, r], the effective one under an adapter
+    gate_weight: torch.Tensor | None = None  # decoding with the gate on K/V: W^{UE} [H, dk+dv, de]
 
 
 class EGMLAAttention(nn.Module):
@@ -740,15 +742,16 @@ class EGMLAAttention(nn.Module):
         if cache is not None:
             latent, rope_key = cache.update(latent, rope_key, self.layer_idx)  # [B, 1, T, r], [B, 1, T, Hr*dr]
             cached_rows = getattr(cache.layers[self.layer_idx], "cached_rows", lambda: None)()
-        step = EGMLALatentDecode(
-            LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, cached_rows
-        )
-
         # By shape, not by the cache's length (a tensor in a static cache: comparing it would sync and break graphs).
         # Several new tokens without a mask are a prompt at offset 0 (a static cache's unwritten slots follow it):
         # SDPA's top-left causal mask over the expanded heads is exact there, the decode paths' bottom-right is not.
         decoding = latent.shape[2] > seq_length and (seq_length == 1 or attention_mask is not None)
-        if cache is not None and decoding and not self.training:
+        decoding = cache is not None and decoding and not self.training
+        weights = decode_weights(self, like=latent) if decoding else ()
+        step = EGMLALatentDecode(
+            LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, cached_rows, *weights
+        )
+        if decoding:
             attn_output, attn_weights = decode_attention(self, step, attention_mask, **kwargs)
         else:
             attn_output, attn_weights = expanded_attention(self, step, attention_mask, **kwargs)
@@ -769,6 +772,16 @@ def rotary_dims(config: EGMLAConfig, layer_idx: int) -> list[list[int]] | None:
     half = config.head_dim // 2
     # Half-split layout: pair j of a head sits at dims j and j + dr/2, frequency f at dims f and f + F/2.
     return [head + [index + half for index in head] for head in heads]
+
+
+def decode_weights(module: "EGMLAAttention", like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a decode path multiplies the cache by: W^{UKV} [H, dk+dv, r] and, with the gate on K/V, W^{UE}
+    [H, dk+dv, de] (views of the parameters; under an adapter or offload hook, their effective weights)."""
+    kv_weight = module.kv_b_weight(like=like)
+    gate = module.gate_embedding_proj if module.gate_position == "kv" else None
+    if gate is None:
+        return kv_weight, None
+    return kv_weight, linear_weight(gate, gate.in_features, like).view(module.num_heads, kv_weight.shape[1], -1)
 
 
 def expand_kv(
@@ -955,7 +968,7 @@ def blocked_attention(
         key_weight, value_weight = module.gate_norm.weight.split([module.rebuilt_key_dim, module.v_head_dim])
         q_nope = q_nope * key_weight
     query = torch.cat([q_nope, q_rope], dim=-1) if rope_scores is None else q_nope
-    kv_weight = module.kv_b_weight(like=latent)  # [H, dk+dv, r], read once (an adapter's too)
+    kv_weight = step.kv_weight  # [H, dk+dv, r]
     if attention_mask is None and query_length > 1:
         attention_mask = causal_mask(query_length, key_length, latent.device)
     running_max = q_nope.new_full((batch_size, heads, query_length, 1), float("-inf"), dtype=torch.float32)

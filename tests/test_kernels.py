@@ -15,6 +15,7 @@ from egmla.modeling_egmla import (
     EGMLALatentDecode,
     absorbed_attention,
     blocked_attention,
+    decode_weights,
     eager_attention_forward,
     expand_kv,
     expanded_attention,
@@ -72,7 +73,10 @@ def decode_step(module, batch_size: int, key_length: int, query_length: int, pad
         gate_rows = EGMLAGateRows(randn(batch_size * key_length, gate_width), None, batch_size, key_length)
     mask = kernels.bool_mask(None, batch_size, query_length, key_length, "cpu").clone()
     mask[0, :, :padding] = False  # the first row is left-padded
-    return EGMLALatentDecode(LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, gate_rows, None), mask
+    weights = decode_weights(module, like=latent)
+    return EGMLALatentDecode(
+        LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, gate_rows, None, None, *weights
+    ), mask
 
 
 def in_float32(call: EGMLALatentDecode) -> EGMLALatentDecode:
@@ -80,7 +84,8 @@ def in_float32(call: EGMLALatentDecode) -> EGMLALatentDecode:
     rows = rows._replace(rows=rows.rows.float()) if rows is not None else None
     return call._replace(
         q_nope=call.q_nope.float(), q_rope=call.q_rope.float(), latent=call.latent.float(),
-        rope_key=call.rope_key.float(), gate_rows=rows,
+        rope_key=call.rope_key.float(), gate_rows=rows, kv_weight=call.kv_weight.float(),
+        gate_weight=call.gate_weight.float() if call.gate_weight is not None else None,
     )  # fmt: skip
 
 

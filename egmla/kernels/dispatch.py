@@ -19,7 +19,6 @@ import os
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..modeling_egmla import causal_mask, linear_weight
 from . import fused_torch
 from .interface import DYNAMIC_DIMS, KVDecodeInputs, KVDecodeWeights, LatentDecodeInputs
 
@@ -27,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("reference", "triton", "compiled")
 IMPLEMENTATIONS = {"egmla_fused": "auto", "egmla_fused_triton": "triton", "egmla_fused_compiled": "compiled"}
-SUPPORTED_DECODE_VERSION = 3  # of the model's EGMLALatentDecode
+SUPPORTED_DECODE_VERSION = 4  # of the model's EGMLALatentDecode
 KERNEL_OVERRIDE = os.environ.get("EGMLA_KERNEL")  # read once: a process-wide choice, not a per-call switch
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _logged: set[str] = set()
@@ -102,7 +101,8 @@ def kernel(backend: str, name: str):
 def bool_mask(attention_mask: torch.Tensor | None, batch_size: int, query_length: int, key_length: int, device):
     """A transformers mask (None: causal; bool [B, 1, S, T]; additive float) as bool [B, S, T], True = attend."""
     if attention_mask is None:
-        return causal_mask(query_length, key_length, device).expand(batch_size, query_length, key_length)
+        causal = torch.ones(query_length, key_length, dtype=torch.bool, device=device).tril(key_length - query_length)
+        return causal.expand(batch_size, query_length, key_length)
     if attention_mask.dtype != torch.bool:
         attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
     return attention_mask[:, 0, -query_length:, -key_length:].expand(batch_size, query_length, key_length)
@@ -121,26 +121,21 @@ def rope_query_slots(module: torch.nn.Module, q_rope: torch.Tensor) -> torch.Ten
 def kv_step(module: torch.nn.Module, call, mask: torch.Tensor, backend: str) -> torch.Tensor:
     """A step that rebuilds every cached key and value (gate on K/V, or "exact" rope): [B, S, H, dv]."""
     latent = call.latent[:, 0]
-    weight = module.kv_b_weight(like=latent)  # [H, dk+dv, r]
-    gated = module.gate_position == "kv"  # a gate on the latent is already in the cached latent
-    gate = module.gate_embedding_proj if gated else None
-    norm = module.gate_norm if gated else None
-    gate_weight = None
-    if gate is not None:
-        gate_weight = linear_weight(gate, gate.in_features, latent).view(module.num_heads, weight.shape[1], -1)
+    gate_weight = call.gate_weight  # [H, dk+dv, de], None unless the gate is on K/V
+    norm = module.gate_norm if module.gate_position == "kv" else None  # a gated latent was normed before caching
     key_cos, key_sin = (call.key_rotary[0][:, 0], call.key_rotary[1][:, 0]) if call.key_rotary else (None, None)
     inputs = KVDecodeInputs(
         query=torch.cat([call.q_nope, call.q_rope], dim=-1),
         latent=latent,
         rope_key=call.rope_key[:, 0],
-        gate_rows=call.gate_rows.rows if gate is not None else None,
-        gate_index=call.gate_rows.index if gate is not None else None,
+        gate_rows=call.gate_rows.rows if gate_weight is not None else None,
+        gate_index=call.gate_rows.index if gate_weight is not None else None,
         key_cos=key_cos,
         key_sin=key_sin,
         mask=mask,
     )
     weights = KVDecodeWeights(
-        kv_weight=weight,
+        kv_weight=call.kv_weight,
         gate_weight=gate_weight,
         norm_weight=norm.weight if norm is not None else None,
         norm_eps=norm.variance_epsilon if norm is not None else 0.0,
@@ -157,7 +152,7 @@ def run_step(module: torch.nn.Module, call, mask: torch.Tensor, backend: str) ->
         return kv_step(module, call, mask, backend)
     # Gate off or on the latent, decoupled rope: the absorbed MQA; fold W^{UK} into the query.
     latent, rope_key = call.latent[:, 0], call.rope_key[:, 0]
-    w_uk, w_uv = module.kv_b_weight(like=latent).split([module.qk_nope_head_dim, module.v_head_dim], dim=1)
+    w_uk, w_uv = call.kv_weight.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)
     query_latent = torch.einsum("bhsd,hdr->bhsr", call.q_nope, w_uk)
     inputs = LatentDecodeInputs(query_latent, rope_query_slots(module, call.q_rope), latent, rope_key, mask)
     out_latent = kernel(backend, "decode_latent")(inputs, module.scaling)  # [B, H, S, r]
