@@ -9,7 +9,15 @@ import torch
 from safetensors.torch import load_file
 
 from egmla.cli import main
-from egmla.conversion import ConversionOptions, calibrate, convert_llama_to_egmla, load_llama, load_tokenizer
+from egmla.conversion import (
+    ConversionOptions,
+    build_student,
+    calibrate,
+    convert_llama_to_egmla,
+    load_llama,
+    load_tokenizer,
+    plan_conversion,
+)
 from egmla.conversion.decode_cost import egmla_cost
 from egmla.conversion.factorization import allocate_ranks, factorize
 from egmla.conversion.pipeline import StageSelection
@@ -519,9 +527,9 @@ def test_the_fitted_gate_lowers_the_errors_it_fits_and_leaves_unseen_tokens_at_t
     teacher = tiny_llama()
     blocks = torch.randint(3, 60, (16, 32), generator=torch.Generator().manual_seed(0))  # ids 60-95 never seen
     options = ConversionOptions(kv_lora_rank=12, rope_mode=rope_mode, gate_embedding_dim=8, gate_position="kv")
-    statistics = calibrate(teacher, blocks)
-    student = convert_llama_to_egmla(teacher, options, statistics)
-    rows = fit_gate(student, teacher, blocks, statistics, options, shrinkage=16.0)
+    plan, _ = plan_conversion(teacher, options, calibrate(teacher, blocks))
+    student = build_student(teacher, plan)
+    rows = fit_gate(student, teacher, blocks, plan, shrinkage=16.0)
     assert [row["layers"] for row in rows] == [[0], [1]]
     assert all(row["kv_error_fitted"] < row["kv_error"] for row in rows)  # what the least squares minimises
     assert all(row["fitted"] == (row["attention_error_fitted"] < row["attention_error"]) for row in rows)
@@ -532,13 +540,14 @@ def test_the_fitted_gate_lowers_the_errors_it_fits_and_leaves_unseen_tokens_at_t
         else:  # kept as converted: W^{UE} zero
             assert student.model.layers[row["layers"][0]].self_attn.gate_embedding_proj.weight.count_nonzero() == 0
     few = torch.randint(3, 7, (16, 32), generator=torch.Generator().manual_seed(1))  # 4 distinct tokens < width 8
-    student = convert_llama_to_egmla(teacher, options, statistics)
-    assert len(fit_gate(student, teacher, few, statistics, options, shrinkage=16.0)) == 2
+    student = build_student(teacher, plan)
+    assert len(fit_gate(student, teacher, few, plan, shrinkage=16.0)) == 2
 
     latent = ConversionOptions(kv_lora_rank=12, rope_mode=rope_mode, gate_embedding_dim=8, gate_position="latent")
-    student = convert_llama_to_egmla(teacher, latent, statistics)
+    latent_plan, _ = plan_conversion(teacher, latent, calibrate(teacher, blocks))
+    student = build_student(teacher, latent_plan)
     before = copy.deepcopy(student.state_dict())
-    assert fit_gate(student, teacher, blocks, statistics, latent, shrinkage=16.0) == []  # nothing to fit there
+    assert fit_gate(student, teacher, blocks, latent_plan, shrinkage=16.0) == []  # nothing to fit there
     assert all(torch.equal(before[name], tensor) for name, tensor in student.state_dict().items())
     with pytest.raises(ValueError, match="gate_init must be one of"):
         ReconstructionSettings(gate_init="random")
@@ -550,9 +559,9 @@ def test_the_fitted_gate_lowers_held_out_perplexity_on_stories260k(stories):
 
     teacher, calibration = stories["teacher"], stories["calibration"]
     options = ConversionOptions(kv_cut=0.5, rope_mode="exact", gate_embedding_dim=32, gate_position="kv")
-    statistics = calibrate(teacher, calibration)
-    identity, fitted = (convert_llama_to_egmla(teacher, options, statistics) for _ in range(2))
-    rows = fit_gate(fitted, teacher, calibration, statistics, options, shrinkage=16.0)
+    plan, _ = plan_conversion(teacher, options, calibrate(teacher, calibration))
+    identity, fitted = (build_student(teacher, plan) for _ in range(2))
+    rows = fit_gate(fitted, teacher, calibration, plan, shrinkage=16.0)
     assert sum(row["fitted"] for row in rows) >= 3  # of 5 tables: where the attention error falls
     assert perplexity(fitted, stories["held_out"]) < 0.995 * perplexity(identity, stories["held_out"])
 

@@ -137,3 +137,40 @@ def test_import_egmla_loads_no_training_library_of_its_own():
     added, peft = done.stdout.split("\n")[:2]
     assert peft == "False"
     assert added == "[]", f"import egmla loaded {added}"
+
+
+def test_the_package_has_no_import_cycle():
+    """Every relative import in egmla/, at any depth of a module (a function-level import too), points down: the
+    conversion is one way (plan -> search -> convert), the kernels take what the model hands them."""
+    import ast
+    from pathlib import Path
+
+    import egmla
+
+    root = Path(egmla.__file__).parent
+    graph = {}
+    for path in root.rglob("*.py"):
+        parts = ("egmla", *path.relative_to(root).with_suffix("").parts)
+        package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+        name = ".".join(parts if parts[-1] != "__init__" else parts[:-1])
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[: len(package) - node.level + 1]
+                imported.add(".".join((*base, node.module) if node.module else base))
+        graph[name] = imported - {name}
+
+    def cycle_from(start, seen):
+        for nxt in graph.get(start, ()):
+            if nxt in seen:
+                return [*seen, nxt]
+            found = cycle_from(nxt, [*seen, nxt])
+            if found:
+                return found
+        return None
+
+    packages = {name for name in graph if (root.parent / name.replace(".", "/") / "__init__.py").exists()}
+    for name in graph:  # a package's __init__ re-exporting its modules is not a cycle of theirs
+        graph[name] -= packages
+    cycles = [cycle for name in graph if (cycle := cycle_from(name, [name]))]
+    assert not cycles, cycles[0]

@@ -1,28 +1,28 @@
-"""Retrofit a Llama checkpoint (MHA or GQA) into EG-MLA.
+"""The conversion's mechanics, for a rope split already chosen (the split search, `search.py`, sits above them, and
+`plan.py` above both):
 
 1. Resolve the budget: the options against the source (rope key widths, latent width, what the cache holds).
-2. Calibrate: the covariance of the attention inputs and the 2-norms of the rotary pairs (`calibration.py`).
-3. Split RoPE per layer: the cached rope key and the NoPE dims the latent rebuilds (`rope.py`).
-4. Factorize per layer: the stacked NoPE keys and values into W^{DKV} and W^{UKV} (`factorization.py`).
-5. Allocate ranks across layers (uniform, or by retained energy under the same total).
-6. Assemble the EG-MLA model: the query rows permuted to [nope ; rope], the up-projection repeated for every
-   query head of a group, everything else (MLP, norms, embeddings, RoPE base and scaling, attention scale) copied,
-   and the gate at the identity, so the fresh model equals its MLA approximation.
+2. Split RoPE per layer: the cached rope key and the NoPE dims the latent rebuilds (`rope.py`), from the
+   calibration statistics (`calibration.py`).
+3. Factorize per layer: the stacked NoPE keys and values into W^{DKV} and W^{UKV} (`factorization.py`).
+4. Allocate ranks across layers (uniform, or by retained energy under the same total). Steps 1-4 make the
+   `ConversionPlan`, once.
+5. Build the EG-MLA model from the plan: the query rows permuted to [nope ; rope], the up-projection repeated for
+   every query head of a group, everything else (MLP, norms, embeddings, RoPE base and scaling, attention scale)
+   copied, and the gate at the identity, so the fresh model equals its MLA approximation.
 """
 
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
-from transformers import LlamaForCausalLM, PreTrainedModel
+from transformers import LlamaForCausalLM
 
 from ..configuration_egmla import GATE_POSITIONS, ROPE_MODES, EGMLAConfig
 from ..modeling_egmla import EGMLAForCausalLM
-from .calibration import Calibration, LayerStatistics, layer_statistics
+from .calibration import LayerStatistics
 from .factorization import FACTORIZATIONS, RANK_ALLOCATIONS, Factorization, allocate_ranks, factorize, output_weights
 from .rope import PAIR_SELECTIONS, ROPE_KEYS, RopeSplit, llama_rope_parameters, split_rope
-from .source import load_llama
 
 
 @dataclass(frozen=True)
@@ -145,23 +145,42 @@ def resolve_budget(source_config, options: ConversionOptions) -> Budget:
     return Budget(rope_key_heads, pairs, nope_dim, rank, 2 * key_heads * head_dim, rank + rope_values)
 
 
-def stacked_rows(
-    attention: torch.nn.Module,
-    statistics: LayerStatistics,
-    inv_freq: torch.Tensor,
-    budget: Budget,
-    options: ConversionOptions,
-) -> tuple[RopeSplit, torch.Tensor]:
-    """One source attention layer's rope split, and the rows the latent must rebuild: [Hkv * (dk + hd), D], per KV
-    head its rebuilt key rows (NoPE, or every dim in "exact" mode), then its value rows."""
+@dataclass(frozen=True)
+class ConversionPlan:
+    """What a conversion builds, computed once per source and passed on: the options with the rope split chosen,
+    the budget they give on this source, per layer the rope split and the truncated factors (down [r, D], up
+    [Hkv * (dk + hd), r]), and the split search's table where one ran."""
+
+    options: ConversionOptions
+    budget: Budget
+    splits: list[RopeSplit]
+    factors: list[tuple[torch.Tensor, torch.Tensor]]
+    ranks: list[int]
+    candidates: list[dict] = field(default_factory=list)
+
+
+def source_values(attention: torch.nn.Module) -> torch.Tensor:
+    """The source layer's value rows [Hkv, hd, D] in float64."""
+    config = attention.config
+    return attention.v_proj.weight.detach().double().cpu().view(config.num_key_value_heads, config.head_dim, -1)
+
+
+def layer_split(
+    attention: torch.nn.Module, statistics: LayerStatistics, inv_freq: torch.Tensor, budget: Budget, options
+) -> RopeSplit:
+    """One source attention layer's rope split: the cached rope key and the NoPE dims the latent rebuilds."""
     config = attention.config
     head_dim, key_heads = config.head_dim, config.num_key_value_heads
     query = attention.q_proj.weight.detach().double().cpu().view(config.num_attention_heads, head_dim, -1)
     key = attention.k_proj.weight.detach().double().cpu().view(key_heads, head_dim, -1)
-    value = attention.v_proj.weight.detach().double().cpu().view(key_heads, head_dim, -1)
     rope_keys = "exact" if options.rope_mode == "exact" else options.rope_keys
-    split = split_rope(query, key, statistics, inv_freq, rope_keys, budget.rope_pairs, options.pair_selection)
-    return split, torch.cat([torch.cat([split.nope_key[g], value[g]]) for g in range(key_heads)])
+    return split_rope(query, key, statistics, inv_freq, rope_keys, budget.rope_pairs, options.pair_selection)
+
+
+def stacked_rows(split: RopeSplit, value: torch.Tensor) -> torch.Tensor:
+    """The rows the latent must rebuild: [Hkv * (dk + hd), D], per KV head its rebuilt key rows (NoPE, or every dim
+    in "exact" mode), then its value rows [Hkv, hd, D]."""
+    return torch.cat([torch.cat([split.nope_key[g], value[g]]) for g in range(len(value))])
 
 
 def factorize_layer(
@@ -172,9 +191,9 @@ def factorize_layer(
     options: ConversionOptions,
 ) -> tuple[RopeSplit, Factorization]:
     """One source attention layer: its rope split and the factorization of its stacked [NoPE key ; value] rows."""
-    split, stacked = stacked_rows(attention, statistics, inv_freq, budget, options)
-    config = attention.config
-    value = attention.v_proj.weight.detach().double().cpu().view(config.num_key_value_heads, config.head_dim, -1)
+    split = layer_split(attention, statistics, inv_freq, budget, options)
+    value = source_values(attention)
+    stacked = stacked_rows(split, value)
     if options.factorization == "weight":
         return split, factorize(stacked, None, options.damping)
     covariance = statistics.covariance.double()
@@ -183,11 +202,9 @@ def factorize_layer(
     return split, factorize(stacked, covariance, options.damping, weights)
 
 
-def student_config(
-    teacher: LlamaForCausalLM, options: ConversionOptions, budget: Budget, ranks: list[int], splits: list[RopeSplit]
-) -> EGMLAConfig:
+def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConfig:
     """The EG-MLA config of the converted model: the source's dims, the budget's cache, the gate at the identity."""
-    config = teacher.config
+    config, options, budget = teacher.config, plan.options, plan.budget
     return EGMLAConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -195,7 +212,7 @@ def student_config(
         num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
         q_lora_rank=None,
-        kv_lora_rank=ranks if options.rank_allocation == "energy" else budget.kv_lora_rank,
+        kv_lora_rank=plan.ranks if options.rank_allocation == "energy" else budget.kv_lora_rank,
         qk_nope_head_dim=budget.nope_dim,
         qk_rope_head_dim=2 * budget.rope_pairs,
         v_head_dim=config.head_dim,
@@ -211,7 +228,7 @@ def student_config(
         tie_word_embeddings=config.tie_word_embeddings,
         rope_parameters=llama_rope_parameters(teacher),
         rope_frequency_dim=config.head_dim,
-        rope_frequency_indices=None if options.rope_mode == "exact" else [split.frequencies for split in splits],
+        rope_frequency_indices=None if options.rope_mode == "exact" else [split.frequencies for split in plan.splits],
         attention_dropout=config.attention_dropout,
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
@@ -265,35 +282,14 @@ def assemble(teacher: LlamaForCausalLM, config: EGMLAConfig, attention: dict, se
     return student.eval()
 
 
-def convert_llama_to_egmla(
-    source: str | Path | PreTrainedModel, options: ConversionOptions, calibration: Calibration = None
-) -> EGMLAForCausalLM:
-    """Converts a Llama checkpoint into an EG-MLA model (see the module docstring); the source is never modified.
-
-    Args:
-        source: a `LlamaForCausalLM`, a local folder, a Hub id, or a `.gguf` file.
-        options: what to convert to (`ConversionOptions`).
-        calibration: token ids [N, S] to calibrate on, statistics from `calibrate(...)` (to convert several ways
-            without recalibrating), or None: rope pairs chosen by weight norms alone, and only
-            `factorization="weight"`.
-    """
-    teacher = load_llama(source)
+def plan_layers(
+    teacher: LlamaForCausalLM, options: ConversionOptions, statistics: list[LayerStatistics]
+) -> ConversionPlan:
+    """The plan for options whose rope split is chosen: the budget once, per layer one rope split and one
+    factorization, the ranks allocated across layers."""
     if options.rope_mode == "auto":
-        # The search converts each candidate through this function, so it is imported here, not at the top.
-        from .search import choose_split
-
-        if not isinstance(calibration, torch.Tensor):
-            raise ValueError(
-                "rope_mode='auto' compares candidates on held-out calibration blocks: pass token ids [N, S] as "
-                "calibration, or choose rope_mode='exact' or 'decoupled'."
-            )
-        options, _, calibration = choose_split(teacher, options, calibration)
+        raise ValueError("rope_mode='auto' is resolved by egmla.conversion.plan.plan_conversion before the layers.")
     budget = resolve_budget(teacher.config, options)
-    if calibration is None and options.factorization == "activation":
-        raise ValueError(
-            'factorization="activation" needs calibration: token ids [N, S] or the statistics of calibrate(...).'
-        )
-    statistics = layer_statistics(teacher, calibration)
     inv_freq = teacher.model.rotary_emb.inv_freq.float().cpu()
     splits, factorizations = [], []
     for layer, stats in zip(
@@ -303,6 +299,11 @@ def convert_llama_to_egmla(
         splits.append(split)
         factorizations.append(factorization)
     ranks = allocate_ranks(factorizations, budget.kv_lora_rank, options.rank_allocation)
-    config = student_config(teacher, options, budget, ranks, splits)
     factors = [factorization.truncate(rank) for factorization, rank in zip(factorizations, ranks, strict=True)]
-    return assemble(teacher, config, attention_state(teacher, config, splits, factors), options.seed)
+    return ConversionPlan(options, budget, splits, factors, ranks)
+
+
+def build_student(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAForCausalLM:
+    """The EG-MLA model a plan describes (see the module docstring, step 5); the source is never modified."""
+    config = student_config(teacher, plan)
+    return assemble(teacher, config, attention_state(teacher, config, plan.splits, plan.factors), plan.options.seed)

@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
-from .calibration import LayerStatistics, SourceLayer, source_layers
-from .convert import ConversionOptions, resolve_budget, stacked_rows
+from .calibration import SourceLayer, source_layers
+from .convert import ConversionPlan, source_values, stacked_rows
 
 ERROR_BLOCKS = 16  # calibration blocks the attention error is compared on (the least squares uses them all)
 
@@ -90,8 +90,7 @@ def fit_gate(
     student: EGMLAForCausalLM,
     teacher: LlamaForCausalLM,
     blocks: torch.Tensor,
-    statistics: list[LayerStatistics],
-    options: ConversionOptions,
+    plan: ConversionPlan,
     shrinkage: float,
 ) -> list[dict]:
     """Sets the gate tables and W^{UE} of `student` in place (see the module docstring); per table, the K/V error
@@ -99,16 +98,15 @@ def fit_gate(
     config = student.config
     if not config.gate_enabled or config.gate_position != "kv":
         return []
-    budget, inv_freq = resolve_budget(teacher.config, options), teacher.model.rotary_emb.inv_freq.float().cpu()
     group = config.num_attention_heads // teacher.config.num_key_value_heads
     tokens, index = torch.unique(blocks.flatten(), return_inverse=True)
     counts = torch.bincount(index, minlength=len(tokens))
     pending, rows = [], []
-    layers = zip(teacher.model.layers, source_layers(teacher, blocks), statistics, strict=True)
-    for layer_idx, (layer, inputs, layer_stats) in enumerate(
+    layers = zip(teacher.model.layers, source_layers(teacher, blocks), plan.splits, strict=True)
+    for layer_idx, (layer, inputs, split) in enumerate(
         tqdm(layers, desc="fitting the gate", unit="layer", total=config.num_hidden_layers, leave=False)
     ):
-        _, stacked = stacked_rows(layer.self_attn, layer_stats, inv_freq, budget, options)
+        stacked = stacked_rows(split, source_values(layer.self_attn))
         target_rows = stacked.float().view(teacher.config.num_key_value_heads, -1, stacked.shape[1])
         target_rows = target_rows.repeat_interleave(group, dim=0).flatten(0, 1)  # per query head, as kv_b_proj
         attention = student.model.layers[layer_idx].self_attn

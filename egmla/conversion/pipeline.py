@@ -29,12 +29,12 @@ from ..text import (
 )
 from ..training import FinetuneSettings, finetune, settings_summary
 from .calibration import FITTED_CONTEXT
-from .convert import ConversionOptions, convert_llama_to_egmla, resolve_budget
+from .convert import ConversionOptions, build_student
 from .decode_cost import cost_row, egmla_cost, measure_decode, rebuild_warning, source_cost
 from .gate import fit_gate
+from .plan import plan_conversion
 from .reconstruction import ReconstructionSettings, reconstruct_layers
 from .report import print_report, write_finetune_card, write_model_card
-from .search import choose_split
 from .source import load_llama, load_tokenizer, split_gguf
 
 # The main job's defaults where they differ from the dataclasses': MHA2MLA's 68.75% cut of SmolLM2-135M, sized to
@@ -231,14 +231,14 @@ def run_conversion(job: ConversionJob) -> dict:
     teacher, tokenizer = load_llama(job.source), load_tokenizer(job.source)
     text = prepare_text(teacher, tokenizer, job.text)
     calibration = text.fit[: job.text.calibration_blocks]
-    options, candidates, statistics = choose_split(teacher, job.options, calibration)
-    student = convert_llama_to_egmla(teacher, options, statistics)
+    plan, _ = plan_conversion(teacher, job.options, calibration)
+    student = build_student(teacher, plan)
     warning = rebuild_warning(student.config, teacher.config)
     if warning:
         print(warning)
     gate = []
     if job.reconstruction.gate_init == "least_squares":
-        gate = fit_gate(student, teacher, calibration, statistics, options, job.reconstruction.gate_shrinkage)
+        gate = fit_gate(student, teacher, calibration, plan, job.reconstruction.gate_shrinkage)
     scores = score_documents({"source": teacher, "zero-shot": student}, text)
     stages = StageSelection(text.selection)
     stages.consider("zero-shot", student)
@@ -257,9 +257,9 @@ def run_conversion(job: ConversionJob) -> dict:
 
     report = {
         "source": public_name(job.source),
-        "options": asdict(options),
-        "budget": {**asdict(resolve_budget(teacher.config, options)), "kv_lora_rank": student.config.kv_lora_rank},
-        "candidates": candidates,
+        "options": asdict(plan.options),
+        "budget": {**asdict(plan.budget), "kv_lora_rank": student.config.kv_lora_rank},
+        "candidates": plan.candidates,
         "reconstruction": {**asdict(job.reconstruction), "gate": gate, "layers": layers},
         **text.description,
         "kv": kv_report(teacher, student, text.held_out[:2, :32]),

@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 
 from ..text import packed_blocks, perplexity
 from .calibration import LayerStatistics, calibrate
-from .convert import ConversionOptions, convert_llama_to_egmla, resolve_budget
+from .convert import ConversionOptions, build_student, plan_layers
 from .decode_cost import cost_row, egmla_cost, source_cost
 
 HELD_OUT_BLOCKS = 8  # at most: a slice of the calibration blocks that the candidates are not fitted on
@@ -83,8 +83,8 @@ def choose_split(
     source = source_cost(teacher.config)
     rows = [{"candidate": "source", "perplexity": perplexity(teacher, held_out), "cost": cost_row(source, source)}]
     for choice in choices:
-        budget = resolve_budget(teacher.config, choice)
-        student = convert_llama_to_egmla(teacher, dataclasses.replace(choice, gate_embedding_dim=0), statistics)
+        plan = plan_layers(teacher, dataclasses.replace(choice, gate_embedding_dim=0), statistics)
+        student, budget = build_student(teacher, plan), plan.budget
         rows.append(
             {
                 "candidate": describe(choice, budget.kv_lora_rank),

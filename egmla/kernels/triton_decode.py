@@ -321,6 +321,14 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def split_buffers(rows: int, splits: int, width: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per row and split: the weighted sum [rows, splits, width], the running max and sum [rows, splits]; NaN-filled,
+    so that an element a program failed to write poisons the result instead of passing as zero."""
+    acc = torch.full((rows, splits, width), float("nan"), device=device, dtype=torch.float32)
+    running_max = torch.full((rows, splits), float("nan"), device=device, dtype=torch.float32)
+    return acc, running_max, torch.full_like(running_max, float("nan"))
+
+
 def decode_kv(
     inputs: KVDecodeInputs,
     weights: KVDecodeWeights,
@@ -340,10 +348,7 @@ def decode_kv(
     rows = batch_size * heads * query_length
     split_size = split_size or split_size_for(key_length, rows, block_t)
     splits = math.ceil(key_length / split_size)
-    # NaN-filled: an element a program failed to write poisons the result instead of passing as zero.
-    acc = torch.full((rows, splits, value_dim), float("nan"), device=latent.device, dtype=torch.float32)
-    running_max = torch.full((rows, splits), float("nan"), device=latent.device, dtype=torch.float32)
-    running_sum = torch.full_like(running_max, float("nan"))
+    acc, running_max, running_sum = split_buffers(rows, splits, value_dim, latent.device)
     gate_dim = gate_weight.shape[-1] if gate_weight is not None else 1
     _decode_kv_kernel[(rows, splits)](
         query_ptr=query.contiguous(),

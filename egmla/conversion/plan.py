@@ -1,0 +1,53 @@
+"""Retrofit a Llama checkpoint (MHA or GQA) into EG-MLA, one way down: the split search where the options leave the
+rope split to it (`search.py`), then the plan of the chosen split, computed once (`convert.plan_layers`: budget,
+rope split and factors per layer), then the model built from the plan (`convert.build_student`)."""
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from transformers import LlamaForCausalLM, PreTrainedModel
+
+from ..modeling_egmla import EGMLAForCausalLM
+from .calibration import Calibration, LayerStatistics, layer_statistics
+from .convert import ConversionOptions, ConversionPlan, build_student, plan_layers
+from .search import choose_split
+from .source import load_llama
+
+
+def plan_conversion(
+    teacher: LlamaForCausalLM, options: ConversionOptions, calibration: Calibration
+) -> tuple[ConversionPlan, list[LayerStatistics]]:
+    """The plan (with the split search's table where it ran) and the calibration statistics it was made with."""
+    candidates = []
+    if options.rope_mode == "auto":
+        if not isinstance(calibration, torch.Tensor):
+            raise ValueError(
+                "rope_mode='auto' compares candidates on held-out calibration blocks: pass token ids [N, S] as "
+                "calibration, or choose rope_mode='exact' or 'decoupled'."
+            )
+        options, candidates, calibration = choose_split(teacher, options, calibration)
+    if calibration is None and options.factorization == "activation":
+        raise ValueError(
+            'factorization="activation" needs calibration: token ids [N, S] or the statistics of calibrate(...).'
+        )
+    statistics = layer_statistics(teacher, calibration)
+    plan = plan_layers(teacher, options, statistics)
+    return dataclasses.replace(plan, candidates=candidates), statistics
+
+
+def convert_llama_to_egmla(
+    source: str | Path | PreTrainedModel, options: ConversionOptions, calibration: Calibration = None
+) -> EGMLAForCausalLM:
+    """Converts a Llama checkpoint into an EG-MLA model; the source is never modified.
+
+    Args:
+        source: a `LlamaForCausalLM`, a local folder, a Hub id, or a `.gguf` file.
+        options: what to convert to (`ConversionOptions`).
+        calibration: token ids [N, S] to calibrate on, statistics from `calibrate(...)` (to convert several ways
+            without recalibrating), or None: rope pairs chosen by weight norms alone, and only
+            `factorization="weight"`.
+    """
+    teacher = load_llama(source)
+    plan, _ = plan_conversion(teacher, options, calibration)
+    return build_student(teacher, plan)
