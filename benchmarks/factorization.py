@@ -61,9 +61,8 @@ def main() -> None:
             teacher,
             ConversionOptions(
                 kv_cut=args.kv_cut,
-                rope_mode="decoupled",
                 rope_pairs=args.rope_pairs,
-                rope_keys=args.rope_keys,
+                rope_split=args.rope_keys,
                 factorization=factorization,
                 gate_embedding_dim=0,
             ),
@@ -75,14 +74,14 @@ def main() -> None:
     values = student.config.kv_cache_values_per_token() / student.config.num_hidden_layers
     # The same budget as the RoPE-exact latent: no rope key, every key rebuilt from the latent and rotated.
     exact = convert_llama_to_egmla(
-        teacher, ConversionOptions(kv_cut=args.kv_cut, rope_mode="exact", gate_embedding_dim=0), statistics
+        teacher, ConversionOptions(kv_cut=args.kv_cut, rope_split="exact", gate_embedding_dim=0), statistics
     )
     rows[f"activation-aware, RoPE-exact latent of {exact.config.kv_lora_rank}"] = perplexity(exact, text.held_out)
     if args.rope_keys == "shared":  # the same budget with MHA2MLA's per-KV-head rope keys
         per_head = convert_llama_to_egmla(
             teacher,
             ConversionOptions(
-                kv_cut=args.kv_cut, rope_pairs=args.per_head_pairs, rope_keys="per_head", gate_embedding_dim=0
+                kv_cut=args.kv_cut, rope_pairs=args.per_head_pairs, rope_split="per_head", gate_embedding_dim=0
             ),
             statistics,
         )
@@ -96,9 +95,8 @@ def main() -> None:
                 teacher,
                 ConversionOptions(
                     kv_lora_rank=min(stacked_rows, teacher.config.hidden_size),
-                    rope_mode="decoupled",
                     rope_pairs=pairs,
-                    rope_keys=args.rope_keys,
+                    rope_split=args.rope_keys,
                     pair_selection=selection,
                     gate_embedding_dim=0,
                 ),

@@ -52,7 +52,7 @@ def main() -> None:
     print("| variant | zero-shot | layer-wise |\n|---|---|---|")
     for variant in VARIANTS:
         started = time.time()
-        options = ConversionOptions(kv_cut=args.kv_cut, **{"rope_mode": "decoupled", **variant})
+        options = ConversionOptions(kv_cut=args.kv_cut, **{"rope_split": "shared", **variant})
         student = convert_llama_to_egmla(teacher, options, statistics)
         zero_shot = perplexity(student, evaluation)
         fitted = "-"

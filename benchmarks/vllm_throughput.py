@@ -81,10 +81,10 @@ def main() -> None:
     python = os.environ["EGMLA_VLLM_PYTHON"]
     prompts = [[1, 403, 407, 261, 378], [1, 365], [1, 403, 270], [1, 412, 300, 261]]
     with tempfile.TemporaryDirectory() as scratch:
-        latent = ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", gate_embedding_dim=32, gate_position="latent",
+        latent = ConversionOptions(kv_lora_rank=32, rope_split="shared", gate_embedding_dim=32, gate_position="latent",
                                    factorization="weight")  # fmt: skip
         rebuilt = ConversionOptions(
-            kv_lora_rank=32, rope_mode="exact", gate_embedding_dim=32, gate_position="kv", factorization="weight"
+            kv_lora_rank=32, rope_split="exact", gate_embedding_dim=32, gate_position="kv", factorization="weight"
         )
         folders = {
             "Llama (source, padded to head_dim 32)": padded_llama(STORIES260K, Path(scratch) / "llama"),

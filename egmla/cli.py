@@ -1,6 +1,6 @@
 """Command line: `egmla retrofit` (the README's main job), `convert`, `finetune`, `ppl`, `quickstart`, `bench`.
 
-Every flag sets the dataclass field of the same name (`--gate-embedding-dim` sets
+Every option flag is made from the dataclass field of the same name (`egmla.options`: `--gate-embedding-dim` sets
 `ConversionOptions.gate_embedding_dim`), with the dataclass's default; older spellings stay as aliases.
 """
 
@@ -21,187 +21,61 @@ from .conversion.pipeline import (
     run_finetune,
     run_ppl,
 )
-from .conversion.reconstruction import GATE_INITS, ReconstructionSettings
+from .conversion.reconstruction import ReconstructionSettings
 from .data import smollm2_gguf
+from .options import add_fields
 from .quickstart import QuickstartSettings, run_quickstart
 from .training import FinetuneSettings
 
+LATER_CONVERSION_FIELDS = [
+    field.name for field in dataclasses.fields(ConversionOptions) if field.name not in ("kv_lora_rank", "kv_cut")
+]
 
-def from_args(cls, args: argparse.Namespace, **values):
-    """A dataclass from the parsed flags of the same names (missing ones keep their defaults), plus `values`."""
+
+def from_args(cls, args: argparse.Namespace, prefix: str = "", **values):
+    """A dataclass from the parsed flags of the same names, after `prefix` (missing ones keep their defaults),
+    plus `values`."""
     names = {field.name for field in dataclasses.fields(cls)}
-    return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)} | values)
+    parsed = {name: getattr(args, prefix + name) for name in names if hasattr(args, prefix + name)}
+    return cls(**parsed | values)
 
 
 def add_text_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--train-text",
-        "--calib-text",
-        type=Path,
-        default=TextSettings.train_text,
-        help="<|endoftext|>-separated text for calibration and fitting; without it, text is sampled from the source",
-    )
-    parser.add_argument(
-        "--eval-text",
-        type=Path,
-        default=TextSettings.eval_text,
-        help="held-out text (default: the last 10%% of the fitting text, or the embedded excerpt)",
-    )
-    parser.add_argument(
-        "--block-size", type=int, default=TextSettings.block_size, help="tokens per block cut from the fitting text"
-    )
-    parser.add_argument(
-        "--sampled-block-size",
-        type=int,
-        default=TextSettings.sampled_block_size,
-        help="tokens per block sampled from the source when no text is given",
-    )
-    parser.add_argument(
-        "--recovery-block-size",
-        type=int,
-        default=TextSettings.recovery_block_size,
-        help="tokens per recovery block, the fitting blocks packed (default: the source's context, at most 512)",
-    )
-    parser.add_argument(
-        "--calibration-blocks",
-        "--calib-blocks",
-        type=int,
-        default=TextSettings.calibration_blocks,
-        help="blocks of fitting text used to calibrate",
-    )
-    parser.add_argument(
-        "--sampled-blocks", type=int, default=TextSettings.sampled_blocks, help="blocks to sample when no text is given"
-    )
-    parser.add_argument(
-        "--eval-blocks", type=int, default=TextSettings.eval_blocks, help="held-out blocks scored during fine-tuning"
-    )
-    parser.add_argument(
-        "--eval-documents",
-        type=int,
-        default=TextSettings.eval_documents,
-        help="held-out documents scored whole (up to the source's context) for the report",
-    )
-    parser.add_argument("--seed", type=int, default=TextSettings.seed, help="of sampling, the gate tables, training")
+    add_fields(parser, TextSettings)
 
 
 def add_conversion_options(parser: argparse.ArgumentParser) -> None:
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--kv-lora-rank", type=int, default=ConversionOptions.kv_lora_rank, help="latent width")
-    budget.add_argument(
-        "--kv-cut",
-        type=float,
-        default=ConversionOptions.kv_cut,
-        help="fraction of the source's K/V values per token to remove",
-    )
-    parser.add_argument(
-        "--rope-mode",
-        choices=["auto", "exact", "decoupled"],
-        default=ConversionOptions.rope_mode,
-        help="auto: the best width of a decoupled rope key on held-out calibration blocks (absorbed decode); "
-        "decoupled: a cached rope key beside the latent (DeepSeek); exact: every key rebuilt from the latent and "
-        "rotated at every step (RoPE kept exactly, decode slower than the source)",
-    )
-    parser.add_argument(
-        "--rope-keys",
-        choices=["shared", "per_head"],
-        default=ConversionOptions.rope_keys,
-        help="one rope key of principal components shared by all heads (TransMLA), or one per KV head (MHA2MLA)",
-    )
-    parser.add_argument(
-        "--rope-pairs",
-        type=int,
-        default=ConversionOptions.rope_pairs,
-        help="rotary pairs in each rope key (shared or per head)",
-    )
-    parser.add_argument("--pair-selection", choices=["rotation", "norm"], default=ConversionOptions.pair_selection)
-    parser.add_argument(
-        "--gate-embedding-dim",
-        "--gate-dim",
-        type=int,
-        default=ConversionOptions.gate_embedding_dim,
-        help="0 = plain MLA",
-    )
-    parser.add_argument(
-        "--gate-position",
-        choices=["kv", "latent"],
-        default=ConversionOptions.gate_position,
-        help="latent: the gate scales the cached latent (absorbed decode); kv: the paper's gate on the rebuilt K/V "
-        "(every cached latent re-expanded at every step)",
-    )
-    parser.add_argument("--factorization", choices=["activation", "weight"], default=ConversionOptions.factorization)
-    parser.add_argument("--rank-allocation", choices=["uniform", "energy"], default=ConversionOptions.rank_allocation)
-    parser.add_argument("--damping", type=float, default=ConversionOptions.damping)
-    parser.add_argument("--key-value-balance", type=float, default=ConversionOptions.key_value_balance)
+    add_fields(budget, ConversionOptions, names=("kv_lora_rank", "kv_cut"))
+    add_fields(parser, ConversionOptions, names=tuple(LATER_CONVERSION_FIELDS))
+    # The two flags --rope-split replaced, for scripts that use them.
+    parser.add_argument("--rope-mode", choices=["auto", "exact", "decoupled"], help="older spelling of --rope-split")
+    parser.add_argument("--rope-keys", choices=["shared", "per_head"], help="older spelling of --rope-split")
+
+
+def rope_split(args: argparse.Namespace) -> str:
+    """--rope-split, or what the older --rope-mode and --rope-keys say."""
+    if args.rope_mode == "exact" or args.rope_keys is not None:
+        return "exact" if args.rope_mode == "exact" else args.rope_keys
+    return {"decoupled": "shared", "auto": "auto"}.get(args.rope_mode, args.rope_split)
 
 
 def add_reconstruction_options(parser: argparse.ArgumentParser) -> None:
-    defaults = ReconstructionSettings
-    parser.add_argument(
-        "--reconstruction-steps",
-        type=int,
-        default=defaults.steps,
-        help="Adam steps fitting each attention block to the source's output, layer by layer (0: off)",
-    )
-    parser.add_argument("--reconstruction-batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--reconstruction-learning-rate", type=float, default=defaults.learning_rate)
-    parser.add_argument(
-        "--gate-init",
-        choices=GATE_INITS,
-        default=defaults.gate_init,
-        help="the gate on K/V set by per-token least squares on the calibration text, or left at the identity",
-    )
-    parser.add_argument("--gate-shrinkage", type=float, default=defaults.gate_shrinkage)
+    add_fields(parser, ReconstructionSettings, prefix="reconstruction_")
 
 
 def reconstruction_settings(args: argparse.Namespace) -> ReconstructionSettings:
-    return ReconstructionSettings(
-        steps=args.reconstruction_steps,
-        batch_size=args.reconstruction_batch_size,
-        learning_rate=args.reconstruction_learning_rate,
-        gate_init=args.gate_init,
-        gate_shrinkage=args.gate_shrinkage,
-        seed=args.seed,
-    )
+    return from_args(ReconstructionSettings, args, prefix="reconstruction_", seed=args.seed)
 
 
 def add_training_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=FinetuneSettings.steps,
-        help="optimizer steps (default for retrofit and convert: what fits in --max-minutes; 0: no recovery)",
-    )
-    parser.add_argument("--batch-size", type=int, default=FinetuneSettings.batch_size)
-    parser.add_argument("--learning-rate", "--lr", type=float, default=FinetuneSettings.learning_rate)
-    parser.add_argument("--warmup-steps", type=int, default=FinetuneSettings.warmup_steps)
-    parser.add_argument("--temperature", type=float, default=FinetuneSettings.temperature, help="of distillation")
-    parser.add_argument("--ce-weight", type=float, default=FinetuneSettings.ce_weight, help="next-token loss weight")
-    parser.add_argument("--lora", action="store_true", help="LoRA adapters (merged at the end) instead of all weights")
-    parser.add_argument("--lora-rank", type=int, default=FinetuneSettings.lora_rank)
-    parser.add_argument(
-        "--attention-only",
-        action="store_true",
-        help="train only the attention layers and gate tables (what the conversion changed)",
-    )
-    parser.add_argument(
-        "--eval-every", type=int, default=FinetuneSettings.eval_every, help="held-out perplexity every N steps (0: no)"
-    )
-    parser.add_argument(
-        "--save-every", type=int, default=FinetuneSettings.save_every, help="checkpoint every N steps (0: at the end)"
-    )
-    parser.add_argument("--max-minutes", type=float, default=FinetuneSettings.max_minutes, help="stop after this long")
-    parser.add_argument(
-        "--gradient-accumulation-steps",
-        "--grad-accum",
-        type=int,
-        default=FinetuneSettings.gradient_accumulation_steps,
-        help="micro-batches per optimizer step on each process",
-    )
+    add_fields(parser, FinetuneSettings)
 
 
-def conversion_options(args: argparse.Namespace):
+def conversion_options(args: argparse.Namespace) -> ConversionOptions:
     # A given latent width replaces the command's default cut.
-    return from_args(ConversionOptions, args, kv_cut=None if args.kv_lora_rank is not None else args.kv_cut)
+    kv_cut = None if args.kv_lora_rank is not None else args.kv_cut
+    return from_args(ConversionOptions, args, kv_cut=kv_cut, rope_split=rope_split(args))
 
 
 def retrofit_command(args: argparse.Namespace) -> None:
@@ -390,21 +264,10 @@ def add_ppl(commands) -> None:
 
 
 def add_quickstart(commands) -> None:
-    defaults = QuickstartSettings
     quick = commands.add_parser(
         "quickstart", help="train a small EG-MLA from scratch, measure its cache, save a Hub-ready folder"
     )
-    quick.add_argument("--out", type=Path, default=defaults.out, help="output folder")
-    quick.add_argument("--train-text", "--text", type=Path, default=defaults.train_text, help="<|endoftext|>-separated")
-    quick.add_argument("--tokenizer", type=Path, default=defaults.tokenizer, help="tokenizer folder")
-    quick.add_argument("--steps", type=int, default=defaults.steps)
-    quick.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    quick.add_argument("--block-size", type=int, default=defaults.block_size)
-    quick.add_argument("--learning-rate", "--lr", type=float, default=defaults.learning_rate)
-    quick.add_argument("--kv-lora-rank", type=int, default=defaults.kv_lora_rank)
-    quick.add_argument("--gate-embedding-dim", "--gate-dim", type=int, default=defaults.gate_embedding_dim)
-    quick.add_argument("--seed", type=int, default=defaults.seed)
-    quick.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    add_fields(quick, QuickstartSettings)
     add_card_options(quick, base_model=False)
     quick.set_defaults(handler=quickstart_command)
 

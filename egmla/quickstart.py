@@ -22,6 +22,7 @@ from .data import EXCERPT, TOKENIZER
 from .hub import TINYSTORIES, SourceMetadata, perplexity_result, save_card, text_dataset
 from .measure import cache_bytes_per_token
 from .modeling_egmla import EGMLAForCausalLM
+from .options import option
 from .outputs import atomic_folder, check_output_folder
 from .text import mean_loss, read_documents, split_documents, token_blocks
 from .training import FinetuneSettings, finetune
@@ -29,18 +30,18 @@ from .training import FinetuneSettings, finetune
 
 @dataclass
 class QuickstartSettings:
-    out: Path = Path("runs/quickstart")
-    train_text: Path = EXCERPT
-    tokenizer: Path = TOKENIZER
-    steps: int = 500
-    batch_size: int = 16
-    block_size: int = 128
-    learning_rate: float = 3e-3
+    out: Path = option(Path("runs/quickstart"), "output folder")
+    train_text: Path = option(EXCERPT, "<|endoftext|>-separated", flags=("--text",))
+    tokenizer: Path = option(TOKENIZER, "tokenizer folder")
+    steps: int = option(500, "optimizer steps")
+    batch_size: int = option(16, "blocks per step")
+    block_size: int = option(128, "tokens per block")
+    learning_rate: float = option(3e-3, "peak learning rate", flags=("--lr",))
     held_out_fraction: float = 0.1
-    kv_lora_rank: int = 16
-    gate_embedding_dim: int = 64
-    seed: int = 0
-    overwrite: bool = False
+    kv_lora_rank: int = option(16, "latent width")
+    gate_embedding_dim: int = option(64, "width of the gate tables; 0 = plain MLA", flags=("--gate-dim",))
+    seed: int = option(0, "of the weights, the gate tables and the batches")
+    overwrite: bool = option(False, "replace --out if it exists")
     license: str | None = None  # the card's licence (none is written unless given: the model is trained here)
 
     def __post_init__(self) -> None:

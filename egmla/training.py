@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .lora import LORA_TARGET_MODULES, gate_table_names
 from .modeling_egmla import EGMLAForCausalLM
+from .options import option
 from .text import loss_and_accuracy, token_blocks
 
 STATE_FOLDER = "accelerate_state"
@@ -33,25 +34,31 @@ PROGRESS_FILE = "progress.json"
 
 @dataclass
 class FinetuneSettings:
-    steps: int | None = 200  # None: as many as fit in `max_minutes` (timed on the first batch)
-    batch_size: int = 8
-    learning_rate: float = 1e-3
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    temperature: float = 1.0
+    steps: int | None = option(
+        200, "optimizer steps (default for retrofit and convert: what fits in --max-minutes; 0: no recovery)"
+    )  # None: as many as fit in `max_minutes` (timed on the first batch)
+    batch_size: int = option(8, "sequences per optimizer step on each process")
+    learning_rate: float = option(1e-3, "peak learning rate (linear warm-up, cosine decay)", flags=("--lr",))
+    warmup_steps: int = option(10, "steps of linear warm-up")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    temperature: float = option(1.0, "of distillation")
     distill_weight: float = 1.0
-    ce_weight: float = 0.0
-    lora: bool = False
-    lora_rank: int = 16
-    attention_only: bool = False  # train only the attention layers and gate tables (what the conversion changed)
+    ce_weight: float = option(0.0, "next-token loss weight")
+    lora: bool = option(False, "LoRA adapters (merged at the end) instead of all weights")
+    lora_rank: int = option(16, "rank of the LoRA adapters")
+    attention_only: bool = option(
+        False, "train only the attention layers and gate tables (what the conversion changed)"
+    )
     train_gate_tables: bool = True
-    eval_every: int = 100
-    save_every: int = 100
+    eval_every: int = option(100, "held-out perplexity every N steps (0: no)")
+    save_every: int = option(100, "checkpoint every N steps (0: at the end)")
     checkpoint_dir: Path | None = None
     resume: bool = False
     seed: int = 0
-    max_minutes: float | None = None  # stop early (and say so) once this much wall time is spent
-    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step on each process
+    max_minutes: float | None = option(None, "stop after this long (and say so)")
+    gradient_accumulation_steps: int = option(
+        1, "micro-batches per optimizer step on each process", flags=("--grad-accum",)
+    )
 
     def __post_init__(self) -> None:
         if self.steps is None and self.max_minutes is None:

@@ -61,7 +61,7 @@ def test_bench_converted_times_a_conversion_against_its_source(tmp_path, capsys)
     source = load_llama(STORIES260K)
     out = tmp_path / "stories-absorbed"
     convert_llama_to_egmla(
-        source, ConversionOptions(kv_cut=0.5, rope_mode="decoupled", rope_pairs=2, factorization="weight")
+        source, ConversionOptions(kv_cut=0.5, rope_split="shared", rope_pairs=2, factorization="weight")
     ).save_pretrained(out)
     results = tmp_path / "results"
     main(["bench", "converted", str(STORIES260K), str(out), "--cells", "2x48", "2x40", "--repetitions", "1",

@@ -47,7 +47,7 @@ def test_full_rank_all_pairs_reproduces_stories260k(stories, rope_keys, all_pair
     teacher = stories["teacher"]
     student = convert_llama_to_egmla(
         teacher,
-        ConversionOptions(kv_lora_rank=32, rope_pairs=all_pairs, rope_keys=rope_keys, gate_embedding_dim=16),
+        ConversionOptions(kv_lora_rank=32, rope_pairs=all_pairs, rope_split=rope_keys, gate_embedding_dim=16),
         stories["calibration"],
     )
     input_ids = stories["held_out"][:2]
@@ -56,7 +56,7 @@ def test_full_rank_all_pairs_reproduces_stories260k(stories, rope_keys, all_pair
     # Partial RoPE removes positional information: with fewer pairs the model is no longer exact.
     partial = convert_llama_to_egmla(
         teacher,
-        ConversionOptions(kv_lora_rank=40, rope_pairs=3, rope_keys=rope_keys, gate_embedding_dim=0),
+        ConversionOptions(kv_lora_rank=40, rope_pairs=3, rope_split=rope_keys, gate_embedding_dim=0),
         stories["calibration"],
     )
     with torch.no_grad():
@@ -76,11 +76,11 @@ def test_the_default_split_is_absorbable_searched_reported_and_the_best_one_kept
     candidates = report["candidates"][1:]
     assert report["candidates"][0]["candidate"] == "source" and len(candidates) >= 3
     assert {row["values_per_token_per_layer"] for row in candidates} == {32}  # one budget
-    assert {row["rope_mode"] for row in candidates} == {"decoupled"}
+    assert {row["rope_split"] for row in candidates} == {"shared"}
     assert {row["cost"]["path"] for row in candidates} == {"absorbed"}
     chosen = [row for row in candidates if row.get("chosen")]
     assert len(chosen) == 1 and chosen[0]["perplexity"] == min(row["perplexity"] for row in candidates)
-    assert report["options"]["rope_mode"] == chosen[0]["rope_mode"] and report["kv"]["converted"] == 32
+    assert report["options"]["rope_split"] == chosen[0]["rope_split"] and report["kv"]["converted"] == 32
     assert report["options"]["gate_position"] == "latent" and report["kv"]["converted_token_id_bytes"] == 0
     # Per cached token per layer: the source reads 2 x 4 heads x 8 = 64 values and does 2 x 8 heads x 8 = 128
     # multiply-adds; the absorbed MQA reads the 32 values once and does 8 heads x (latent + rope + latent).
@@ -97,7 +97,7 @@ def test_the_default_split_is_absorbable_searched_reported_and_the_best_one_kept
     assert kept[-1]["selection_loss"] == min(row["selection_loss"] for row in report["stages"])
     printed = capsys.readouterr().out
     assert "decode ms/step at (8, 504)" in printed and "multiply-adds" in printed and "rebuilds" not in printed
-    with pytest.raises(ValueError, match="rope_mode='auto' compares candidates"):
+    with pytest.raises(ValueError, match="rope_split='auto' compares candidates"):
         convert_llama_to_egmla(tiny_llama(), ConversionOptions(kv_lora_rank=8, factorization="weight"))
 
 
@@ -105,12 +105,12 @@ def test_exact_rope_mode_at_full_rank_reproduces_stories260k(stories):
     """rope_mode="exact": the whole key goes through the latent and is rotated after it is rebuilt; at full rank
     (64 = 4 KV heads x (8 key + 8 value) rows) the converted model is the source, and it caches no rope key."""
     teacher, input_ids = stories["teacher"], stories["held_out"][:2]
-    options = ConversionOptions(kv_lora_rank=64, rope_mode="exact", gate_embedding_dim=16)
+    options = ConversionOptions(kv_lora_rank=64, rope_split="exact", gate_embedding_dim=16)
     student = convert_llama_to_egmla(teacher, options, stories["calibration"])
     assert student.config.rope_mode == "exact" and student.config.kv_cache_values_per_token() == 5 * 64
     assert_same_model(student, teacher, input_ids)
     with pytest.raises(ValueError, match="rope_pairs sets the decoupled rope key"):
-        ConversionOptions(kv_cut=0.5, rope_mode="exact", rope_pairs=3)
+        ConversionOptions(kv_cut=0.5, rope_split="exact", rope_pairs=3)
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ def test_exact_rope_mode_at_full_rank_reproduces_a_random_gqa_llama(rope_paramet
     teacher = tiny_llama(rope_parameters)
     calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
     # GQA: 2 KV heads x (16 key + 16 value) rows = 64 = hidden: full rank; K/V reach every query head.
-    options = ConversionOptions(kv_lora_rank=64, rope_mode="exact", gate_embedding_dim=8)
+    options = ConversionOptions(kv_lora_rank=64, rope_split="exact", gate_embedding_dim=8)
     student = convert_llama_to_egmla(teacher, options, calibration)
     assert student.model.layers[0].self_attn.kv_b_proj.out_features == 8 * (16 + 16)
     input_ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(1))  # past the original 32
@@ -140,11 +140,11 @@ def test_exact_rope_mode_beats_the_decoupled_rope_key_at_a_50_percent_cut_on_sto
     teacher, held_out = stories["teacher"], stories["held_out"]
     statistics = calibrate(teacher, stories["calibration"])
     results = {}
-    for mode, extra in (("exact", {}), ("decoupled", {"rope_pairs": 3})):
-        student = convert_llama_to_egmla(teacher, ConversionOptions(kv_cut=0.5, rope_mode=mode, **extra), statistics)
+    for mode, extra in (("exact", {}), ("shared", {"rope_pairs": 3})):
+        student = convert_llama_to_egmla(teacher, ConversionOptions(kv_cut=0.5, rope_split=mode, **extra), statistics)
         assert student.config.kv_cache_values_per_token() / student.config.num_hidden_layers == 32
         results[mode] = perplexity(student, held_out)
-    assert results["exact"] < results["decoupled"]
+    assert results["exact"] < results["shared"]
 
 
 @pytest.mark.parametrize(
@@ -171,7 +171,7 @@ def test_full_rank_reproduces_a_tiny_llama(rope_parameters, rope_keys):
     all_pairs = 8 if rope_keys == "per_head" else 2 * 8
     student = convert_llama_to_egmla(
         teacher,
-        ConversionOptions(kv_lora_rank=32, rope_pairs=all_pairs, rope_keys=rope_keys, gate_embedding_dim=8),
+        ConversionOptions(kv_lora_rank=32, rope_pairs=all_pairs, rope_split=rope_keys, gate_embedding_dim=8),
         calibration,
     )
     assert student.config.num_attention_heads == 8
@@ -225,23 +225,23 @@ def test_refuses_what_it_cannot_convert(tmp_path):
         convert_llama_to_egmla(
             teacher,
             ConversionOptions(
-                kv_lora_rank=57, rope_pairs=2, rope_keys="per_head", factorization="weight", gate_embedding_dim=0
+                kv_lora_rank=57, rope_pairs=2, rope_split="per_head", factorization="weight", gate_embedding_dim=0
             ),
         )
     with pytest.raises(ValueError, match=r"rope_pairs must lie in \[1, 8\]"):
         convert_llama_to_egmla(
             teacher,
             ConversionOptions(
-                kv_lora_rank=8, rope_pairs=9, rope_keys="per_head", factorization="weight", gate_embedding_dim=0
+                kv_lora_rank=8, rope_pairs=9, rope_split="per_head", factorization="weight", gate_embedding_dim=0
             ),
         )
     with pytest.raises(ValueError, match=r"rope_pairs must lie in \[1, 16\]"):
         convert_llama_to_egmla(
             teacher, ConversionOptions(kv_lora_rank=8, rope_pairs=17, factorization="weight", gate_embedding_dim=0)
         )
-    with pytest.raises(ValueError, match="rope_keys must be one of"):
+    with pytest.raises(ValueError, match="rope_split must be one of"):
         convert_llama_to_egmla(
-            teacher, ConversionOptions(kv_lora_rank=8, rope_keys="some", factorization="weight", gate_embedding_dim=0)
+            teacher, ConversionOptions(kv_lora_rank=8, rope_split="some", factorization="weight", gate_embedding_dim=0)
         )
     with pytest.raises(ValueError, match="cut leaves"):
         convert_llama_to_egmla(
@@ -370,7 +370,7 @@ def test_rotation_aware_pair_choice_beats_the_2_norm_on_stories260k(stories, rop
         student = convert_llama_to_egmla(
             teacher,
             ConversionOptions(
-                kv_lora_rank=40, rope_pairs=3, rope_keys=rope_keys, pair_selection=selection, gate_embedding_dim=0
+                kv_lora_rank=40, rope_pairs=3, rope_split=rope_keys, pair_selection=selection, gate_embedding_dim=0
             ),
             statistics,
         )
@@ -392,7 +392,7 @@ def test_shared_rope_key_beats_per_head_keys_at_the_same_budget_on_stories260k(s
     results = {}
     for rope_keys in ("shared", "per_head"):
         student = convert_llama_to_egmla(
-            teacher, ConversionOptions(kv_cut=0.5, rope_pairs=3, rope_keys=rope_keys, gate_embedding_dim=0), statistics
+            teacher, ConversionOptions(kv_cut=0.5, rope_pairs=3, rope_split=rope_keys, gate_embedding_dim=0), statistics
         )
         assert student.config.kv_cache_values_per_token() / student.config.num_hidden_layers == 32
         results[rope_keys] = perplexity(student, held_out)
@@ -429,7 +429,7 @@ def test_partial_rope_is_exact_when_the_dropped_pairs_never_rotate(rope_paramete
         ConversionOptions(
             kv_lora_rank=48,
             rope_pairs=4 if rope_keys == "per_head" else 2 * 4,
-            rope_keys=rope_keys,
+            rope_split=rope_keys,
             gate_embedding_dim=8,
         ),
         calibration,
@@ -497,7 +497,7 @@ def test_layer_wise_reconstruction_lowers_the_block_errors_it_fits(fit_gate):
 
     teacher = tiny_llama()
     blocks = torch.randint(3, 96, (16, 32), generator=torch.Generator().manual_seed(0))
-    options = ConversionOptions(kv_lora_rank=12, rope_mode="exact", gate_embedding_dim=8)
+    options = ConversionOptions(kv_lora_rank=12, rope_split="exact", gate_embedding_dim=8)
     student = convert_llama_to_egmla(teacher, options, blocks)
     before = {name: tensor.clone() for name, tensor in student.state_dict().items()}
     assert reconstruct_layers(student, teacher, blocks, ReconstructionSettings(steps=0)) == []
@@ -518,15 +518,15 @@ def test_layer_wise_reconstruction_lowers_the_block_errors_it_fits(fit_gate):
         ReconstructionSettings(steps=-1)
 
 
-@pytest.mark.parametrize("rope_mode", ["exact", "decoupled"])
-def test_the_fitted_gate_lowers_the_errors_it_fits_and_leaves_unseen_tokens_at_the_identity(rope_mode):
+@pytest.mark.parametrize("rope_split", ["exact", "shared"])
+def test_the_fitted_gate_lowers_the_errors_it_fits_and_leaves_unseen_tokens_at_the_identity(rope_split):
     import copy
 
     from egmla.conversion.gate import fit_gate
 
     teacher = tiny_llama()
     blocks = torch.randint(3, 60, (16, 32), generator=torch.Generator().manual_seed(0))  # ids 60-95 never seen
-    options = ConversionOptions(kv_lora_rank=12, rope_mode=rope_mode, gate_embedding_dim=8, gate_position="kv")
+    options = ConversionOptions(kv_lora_rank=12, rope_split=rope_split, gate_embedding_dim=8, gate_position="kv")
     plan, _ = plan_conversion(teacher, options, calibrate(teacher, blocks))
     student = build_student(teacher, plan)
     rows = fit_gate(student, teacher, blocks, plan, shrinkage=16.0)
@@ -543,7 +543,7 @@ def test_the_fitted_gate_lowers_the_errors_it_fits_and_leaves_unseen_tokens_at_t
     student = build_student(teacher, plan)
     assert len(fit_gate(student, teacher, few, plan, shrinkage=16.0)) == 2
 
-    latent = ConversionOptions(kv_lora_rank=12, rope_mode=rope_mode, gate_embedding_dim=8, gate_position="latent")
+    latent = ConversionOptions(kv_lora_rank=12, rope_split=rope_split, gate_embedding_dim=8, gate_position="latent")
     latent_plan, _ = plan_conversion(teacher, latent, calibrate(teacher, blocks))
     student = build_student(teacher, latent_plan)
     before = copy.deepcopy(student.state_dict())
@@ -558,7 +558,7 @@ def test_the_fitted_gate_lowers_held_out_perplexity_on_stories260k(stories):
     from egmla.conversion.gate import fit_gate
 
     teacher, calibration = stories["teacher"], stories["calibration"]
-    options = ConversionOptions(kv_cut=0.5, rope_mode="exact", gate_embedding_dim=32, gate_position="kv")
+    options = ConversionOptions(kv_cut=0.5, rope_split="exact", gate_embedding_dim=32, gate_position="kv")
     plan, _ = plan_conversion(teacher, options, calibrate(teacher, calibration))
     identity, fitted = (build_student(teacher, plan) for _ in range(2))
     rows = fit_gate(fitted, teacher, calibration, plan, shrinkage=16.0)
@@ -620,5 +620,5 @@ def test_the_default_conversion_decodes_absorbed_with_the_gate_on_the_latent_or_
     assert len(student.model.gate_embeddings) == (student.config.num_hidden_layers if gate_embedding_dim else 0)
     assert all(layer.self_attn.absorbs for layer in student.model.layers)
     assert egmla_cost(student.config).path == "absorbed"
-    exact = ConversionOptions(kv_lora_rank=8, rope_mode="exact", factorization="weight")
+    exact = ConversionOptions(kv_lora_rank=8, rope_split="exact", factorization="weight")
     assert egmla_cost(convert_llama_to_egmla(tiny_llama(), exact).config).path == "rebuilt"

@@ -18,51 +18,64 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
-from ..configuration_egmla import GATE_POSITIONS, ROPE_MODES, EGMLAConfig
+from ..configuration_egmla import GATE_POSITIONS, EGMLAConfig
 from ..modeling_egmla import EGMLAForCausalLM
+from ..options import check_choices, option
 from .calibration import LayerStatistics
 from .factorization import FACTORIZATIONS, RANK_ALLOCATIONS, Factorization, allocate_ranks, factorize, output_weights
-from .rope import PAIR_SELECTIONS, ROPE_KEYS, RopeSplit, llama_rope_parameters, split_rope
+from .rope import PAIR_SELECTIONS, RopeSplit, llama_rope_parameters, split_rope
+
+ROPE_SPLITS = ("auto", "exact", "shared", "per_head")
 
 
 @dataclass(frozen=True)
 class ConversionOptions:
     """Everything a conversion can be told, validated once. The budget is exactly one of `kv_lora_rank` and
-    `kv_cut`; every other field has the default the `egmla` commands use."""
+    `kv_cut`; every other field has the default the `egmla` commands use (the CLI's flags are made from these
+    fields: `--rope-split` sets `rope_split`)."""
 
-    kv_lora_rank: int | None = None  # the latent width
-    kv_cut: float | None = None  # or: the fraction of the source's K/V values per token to remove
-    # "decoupled": a cached rope key beside the latent (absorbed decode); "auto": the best rope-key width on held-out
-    # calibration blocks at the same budget (egmla.conversion.search); "exact": the whole key in the latent, rotated
-    # when rebuilt (RoPE kept exactly, but every cached key is rebuilt at every decode step).
-    rope_mode: str = "auto"
-    rope_keys: str = "shared"  # decoupled: one rope key of principal components for all heads (TransMLA), or "per_head"
-    rope_pairs: int | None = None  # decoupled: pairs per rope key; None: head_dim // 4 (shared), head_dim // 16
-    pair_selection: str = "rotation"  # contribution x rotation variance (ours), or "norm" (MHA2MLA's 2-norm)
-    # Width of the gate tables; 0 (plain MLA, absorbed) by default: at the same budget the gate on the latent changed
-    # held-out perplexity by less than 0.1% (stories260K, 50% cut, measured with recovery) for 54% more parameters.
-    # The gate starts as the identity.
-    gate_embedding_dim: int = 0
-    # "latent": the gate scales the latent before it is cached (absorbed decode); "kv": the paper's gate on the
-    # rebuilt K/V (every cached latent re-expanded at every decode step).
-    gate_position: str = "latent"
-    factorization: str = "activation"  # whitened and output-weighted (needs calibration), or "weight" (SVD)
-    rank_allocation: str = "uniform"  # every layer kv_lora_rank, or "energy" (per-layer ranks, same total)
-    damping: float = 1e-2  # added to the covariance before whitening, as a fraction of its mean diagonal
-    key_value_balance: float = 0.5  # key errors against value errors (chosen on stories260K among 0.25-1)
-    seed: int = 0  # of the gate tables' random rows
+    kv_lora_rank: int | None = option(None, "latent width")
+    kv_cut: float | None = option(None, "or: the fraction of the source's K/V values per token to remove")
+    rope_split: str = option(
+        "auto",
+        "where RoPE goes. auto: the best width of a shared rope key on held-out calibration blocks at the same budget "
+        "(absorbed decode); shared: one rope key of principal components for all heads (TransMLA); per_head: one per "
+        "KV head (MHA2MLA); exact: every key rebuilt from the latent and rotated at every step (RoPE kept exactly, "
+        "decode slower than the source)",
+        choices=ROPE_SPLITS,
+    )
+    rope_pairs: int | None = option(
+        None, "rotary pairs in each rope key (default: head_dim // 4 shared, head_dim // 16 per head)"
+    )
+    pair_selection: str = option(
+        "rotation", "which pairs keep rotating: contribution x rotation variance, or MHA2MLA's 2-norm", PAIR_SELECTIONS
+    )
+    # 0 by default: at the same budget the gate on the latent changed held-out perplexity by less than 0.1%
+    # (stories260K, 50% cut, measured with recovery) for 54% more parameters. The gate starts as the identity.
+    gate_embedding_dim: int = option(0, "width of the gate tables; 0 = plain MLA", flags=("--gate-dim",))
+    gate_position: str = option(
+        "latent",
+        "latent: the gate scales the cached latent (absorbed decode); kv: the paper's gate on the rebuilt K/V (every "
+        "cached latent re-expanded at every step)",
+        GATE_POSITIONS,
+    )
+    factorization: str = option(
+        "activation", "whitened and output-weighted (needs calibration), or a plain SVD of the weights", FACTORIZATIONS
+    )
+    rank_allocation: str = option(
+        "uniform", "every layer kv_lora_rank, or per-layer ranks by retained energy (same total)", RANK_ALLOCATIONS
+    )
+    damping: float = option(1e-2, "added to the covariance before whitening, as a fraction of its mean diagonal")
+    key_value_balance: float = option(0.5, "weight of key errors against value errors (chosen on stories260K)")
+    seed: int = 0  # of the gate tables' random rows (the CLI's --seed, shared with sampling and training)
+
+    @property
+    def rope_mode(self) -> str:
+        """The model config's `rope_mode` this split gives ("auto" until the search has chosen)."""
+        return self.rope_split if self.rope_split in ("auto", "exact") else "decoupled"
 
     def __post_init__(self) -> None:
-        for name, allowed in (
-            ("rope_mode", (*ROPE_MODES, "auto")),
-            ("rope_keys", ROPE_KEYS),
-            ("pair_selection", PAIR_SELECTIONS),
-            ("gate_position", GATE_POSITIONS),
-            ("factorization", FACTORIZATIONS),
-            ("rank_allocation", RANK_ALLOCATIONS),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
+        check_choices(self)
         if (self.kv_lora_rank is None) == (self.kv_cut is None):
             raise ValueError("Give exactly one of kv_lora_rank and kv_cut.")
         if self.kv_cut is not None and not 0 < self.kv_cut < 1:
@@ -74,10 +87,10 @@ class ConversionOptions:
             raise ValueError(f"gate_embedding_dim must be >= 0 (0 turns the gate off), got {self.gate_embedding_dim}.")
         if self.damping < 0:
             raise ValueError(f"damping must be >= 0, got {self.damping}.")
-        if self.rope_mode == "auto" and (self.rope_pairs is not None or self.rope_keys != "shared"):
-            object.__setattr__(self, "rope_mode", "decoupled")  # explicit rope-key flags leave nothing to choose
-        if self.rope_mode == "exact" and self.rope_pairs is not None:
-            raise ValueError("rope_pairs sets the decoupled rope key; rope_mode='exact' keeps every pair exact.")
+        if self.rope_split == "auto" and self.rope_pairs is not None:
+            object.__setattr__(self, "rope_split", "shared")  # a given width leaves nothing to choose
+        if self.rope_split == "exact" and self.rope_pairs is not None:
+            raise ValueError("rope_pairs sets the decoupled rope key; rope_split='exact' keeps every pair exact.")
         if self.key_value_balance <= 0:
             raise ValueError(f"key_value_balance must be positive, got {self.key_value_balance}.")
 
@@ -94,10 +107,10 @@ class Budget:
     values_per_token_per_layer: int
 
 
-def default_rope_pairs(head_dim: int, rope_keys: str) -> int:
+def default_rope_pairs(head_dim: int, rope_split: str) -> int:
     """MHA2MLA's default for per-head keys (head_dim / 16 pairs, at least 1); head_dim / 4 for a shared key (the
     best of 4, 8, 16 and 24 pairs for SmolLM2-135M at its 68.75% cut, by calibration perplexity)."""
-    return max(1, head_dim // 16) if rope_keys == "per_head" else max(1, head_dim // 4)
+    return max(1, head_dim // 16) if rope_split == "per_head" else max(1, head_dim // 4)
 
 
 def kv_lora_rank_for_cut(source_config, kv_cut: float, rope_values: int) -> int:
@@ -118,15 +131,15 @@ def resolve_budget(source_config, options: ConversionOptions) -> Budget:
     them."""
     head_dim, key_heads = source_config.head_dim, source_config.num_key_value_heads
     if options.rope_mode == "auto":
-        raise ValueError("rope_mode='auto' is resolved by egmla.conversion.search.choose_split before the budget.")
-    exact, per_head = options.rope_mode == "exact", options.rope_keys == "per_head"
-    pairs = options.rope_pairs if options.rope_pairs is not None else default_rope_pairs(head_dim, options.rope_keys)
+        raise ValueError("rope_split='auto' is resolved by egmla.conversion.search.choose_split before the budget.")
+    exact, per_head = options.rope_split == "exact", options.rope_split == "per_head"
+    pairs = options.rope_pairs if options.rope_pairs is not None else default_rope_pairs(head_dim, options.rope_split)
     max_pairs = head_dim // 2 if per_head else key_heads * head_dim // 2
     if exact:  # every pair of every head stays exact, inside the latent; no rope key is cached
         pairs = head_dim // 2
     elif not 1 <= pairs <= max_pairs:
         raise ValueError(
-            f"rope_pairs must lie in [1, {max_pairs}] for rope_keys={options.rope_keys!r} (head_dim {head_dim}, "
+            f"rope_pairs must lie in [1, {max_pairs}] for rope_split={options.rope_split!r} (head_dim {head_dim}, "
             f"{key_heads} KV heads), got {pairs}."
         )
     rope_key_heads = key_heads if per_head and not exact else 1
@@ -173,8 +186,7 @@ def layer_split(
     head_dim, key_heads = config.head_dim, config.num_key_value_heads
     query = attention.q_proj.weight.detach().double().cpu().view(config.num_attention_heads, head_dim, -1)
     key = attention.k_proj.weight.detach().double().cpu().view(key_heads, head_dim, -1)
-    rope_keys = "exact" if options.rope_mode == "exact" else options.rope_keys
-    return split_rope(query, key, statistics, inv_freq, rope_keys, budget.rope_pairs, options.pair_selection)
+    return split_rope(query, key, statistics, inv_freq, options.rope_split, budget.rope_pairs, options.pair_selection)
 
 
 def stacked_rows(split: RopeSplit, value: torch.Tensor) -> torch.Tensor:
@@ -288,7 +300,7 @@ def plan_layers(
     """The plan for options whose rope split is chosen: the budget once, per layer one rope split and one
     factorization, the ranks allocated across layers."""
     if options.rope_mode == "auto":
-        raise ValueError("rope_mode='auto' is resolved by egmla.conversion.plan.plan_conversion before the layers.")
+        raise ValueError("rope_split='auto' is resolved by egmla.conversion.plan.plan_conversion before the layers.")
     budget = resolve_budget(teacher.config, options)
     inv_freq = teacher.model.rotary_emb.inv_freq.float().cpu()
     splits, factorizations = [], []

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from ..data import EXCERPT
 from ..hub import public_name, source_metadata, text_dataset
 from ..measure import kv_values_per_token
+from ..options import option
 from ..outputs import atomic_folder, check_output_folder
 from ..text import (
     document_ids,
@@ -57,18 +58,25 @@ CONVERT_DEFAULTS = {"steps": None, "batch_size": 4, "learning_rate": 2e-4, "max_
 class TextSettings:
     """Where fitting and held-out text come from."""
 
-    train_text: Path | None = None  # calibration and distillation; None = sampled from the source
-    eval_text: Path | None = None  # held out; None = the last 10% of train_text, else the embedded excerpt
-    block_size: int = 256  # of the calibration blocks cut from the fitting text
-    sampled_block_size: int = 256  # of the blocks sampled from the source when no text is given
-    # Recovery trains on the fitting blocks packed up to this length (None: the source's context, at most 512 on a
-    # CPU), at the same tokens per step: the fitted length is what a model is good at.
-    recovery_block_size: int | None = None
-    calibration_blocks: int = 64
-    sampled_blocks: int = 64
-    eval_blocks: int = 64  # of held-out blocks, for the evaluations during fine-tuning
-    eval_documents: int = 100  # held-out documents scored whole, each from its first token, for the report
-    seed: int = 0
+    train_text: Path | None = option(
+        None,
+        "<|endoftext|>-separated text for calibration and fitting; without it, text is sampled from the source",
+        flags=("--calib-text",),
+    )
+    eval_text: Path | None = option(
+        None, "held-out text (default: the last 10% of the fitting text, or the embedded excerpt)"
+    )
+    block_size: int = option(256, "tokens per block cut from the fitting text")
+    sampled_block_size: int = option(256, "tokens per block sampled from the source when no text is given")
+    # At the same tokens per step: the fitted length is what a model is good at.
+    recovery_block_size: int | None = option(
+        None, "tokens per recovery block, the fitting blocks packed (default: the source's context, at most 512)"
+    )
+    calibration_blocks: int = option(64, "blocks of fitting text used to calibrate", flags=("--calib-blocks",))
+    sampled_blocks: int = option(64, "blocks to sample when no text is given")
+    eval_blocks: int = option(64, "held-out blocks scored during fine-tuning")
+    eval_documents: int = option(100, "held-out documents scored whole (up to the source's context) for the report")
+    seed: int = option(0, "of sampling, the gate tables, training")
 
 
 MAX_RECOVERY_BLOCK = FITTED_CONTEXT  # the default recovery length: longer blocks cost more than their tokens on a CPU

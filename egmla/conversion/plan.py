@@ -20,11 +20,11 @@ def plan_conversion(
 ) -> tuple[ConversionPlan, list[LayerStatistics]]:
     """The plan (with the split search's table where it ran) and the calibration statistics it was made with."""
     candidates = []
-    if options.rope_mode == "auto":
+    if options.rope_split == "auto":
         if not isinstance(calibration, torch.Tensor):
             raise ValueError(
-                "rope_mode='auto' compares candidates on held-out calibration blocks: pass token ids [N, S] as "
-                "calibration, or choose rope_mode='exact' or 'decoupled'."
+                "rope_split='auto' compares candidates on held-out calibration blocks: pass token ids [N, S] as "
+                "calibration, or choose rope_split 'shared', 'per_head' or 'exact'."
             )
         options, candidates, calibration = choose_split(teacher, options, calibration)
     if calibration is None and options.factorization == "activation":

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
+from ..options import check_choices, option
 from .calibration import source_layers
 
 GATE_INITS = ("least_squares", "identity")
@@ -27,18 +28,24 @@ class ReconstructionSettings:
     """The fitting after factorization: the gate's closed form (`gate.py`), then each attention block by Adam
     (`steps=0` turns that stage off)."""
 
-    steps: int = 200  # Adam steps per layer
-    batch_size: int = 4  # calibration blocks per step
-    learning_rate: float = 1e-3
+    steps: int = option(200, "Adam steps per layer of the layer-wise fit (0: no layer-wise fit)")
+    batch_size: int = option(4, "calibration blocks per step of the layer-wise fit")
+    learning_rate: float = option(1e-3, "learning rate of the layer-wise fit")
     fit_gate: bool = True  # fit the gate tables and W^{UE} too (False: the gate stays exactly the identity)
-    # The gate on K/V set by per-token least squares before the Adam stage ("identity": W^{UE} stays zero).
-    gate_init: str = "least_squares"
-    gate_shrinkage: float = 16.0  # pseudo-positions pulling a rare token's gate toward 1 (4-64: within 0.2%)
+    gate_init: str = option(
+        "least_squares",
+        "the gate on K/V set by per-token least squares on the calibration text, or left at the identity",
+        GATE_INITS,
+        flags=("--gate-init",),
+    )
+    # 4-64 pseudo-positions gave results within 0.2%.
+    gate_shrinkage: float = option(
+        16.0, "pseudo-positions pulling a rare token's gate toward 1", flags=("--gate-shrinkage",)
+    )
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.gate_init not in GATE_INITS:
-            raise ValueError(f"gate_init must be one of {GATE_INITS}, got {self.gate_init!r}.")
+        check_choices(self)
         if self.gate_shrinkage < 0:
             raise ValueError(f"gate_shrinkage must be >= 0, got {self.gate_shrinkage}.")
         if self.steps < 0:

@@ -9,7 +9,6 @@ from transformers import LlamaForCausalLM
 
 from .calibration import LayerStatistics
 
-ROPE_KEYS = ("shared", "per_head")
 PAIR_SELECTIONS = ("rotation", "norm")
 
 
@@ -136,7 +135,7 @@ def split_shared(
 
 
 def split_exact(query: torch.Tensor, key: torch.Tensor) -> RopeSplit:
-    """The RoPE-exact latent (`rope_mode="exact"`): no rope key; the whole key goes through the latent and is
+    """The RoPE-exact latent (`rope_split="exact"`): no rope key; the whole key goes through the latent and is
     rotated after it is rebuilt, so every rotary pair keeps its frequency and nothing of RoPE is approximated."""
     dims = key.shape[-1]
     return RopeSplit(
@@ -153,15 +152,15 @@ def split_rope(
     key: torch.Tensor,
     statistics: LayerStatistics,
     inv_freq: torch.Tensor,
-    rope_keys: str,
+    rope_split: str,
     pairs: int,
     selection: str,
 ) -> RopeSplit:
-    """One layer's split, query [Hq, hd, D] and key [Hkv, hd, D] (float64): `rope_keys` "per_head", "shared", or
+    """One layer's split, query [Hq, hd, D] and key [Hkv, hd, D] (float64): `rope_split` "per_head", "shared", or
     "exact" (the RoPE-exact latent)."""
-    if rope_keys == "exact":
+    if rope_split == "exact":
         return split_exact(query, key)
-    if rope_keys == "per_head":
+    if rope_split == "per_head":
         return split_per_head(query, key, select_rope_pairs(statistics, inv_freq, pairs, selection))
     return split_shared(query, key, statistics, inv_freq, pairs, selection)
 

@@ -1,8 +1,8 @@
-"""The default split (`rope_mode="auto"`): with only a budget given, convert a few absorbable ways at that budget (a
+"""The default split (`rope_split="auto"`): with only a budget given, convert a few absorbable ways at that budget (a
 decoupled rope key of a few widths, the latent taking the rest), score each on a held-out slice of the calibration
 blocks, and keep the best. Every candidate's perplexity goes into the report beside its decode cost against the
 source (values read and multiply-adds per cached token per layer), so a user can trade quality for decode speed
-knowingly. The rebuilding RoPE-exact latent is converted only when asked for by name (`rope_mode="exact"`): it keeps
+knowingly. The rebuilding RoPE-exact latent is converted only when asked for by name (`rope_split="exact"`): it keeps
 RoPE exact but rebuilds every cached key at every step, several times the source's arithmetic."""
 
 import copy
@@ -37,15 +37,15 @@ def rope_pair_choices(source_config, options: ConversionOptions) -> list[int]:
 def candidates(teacher: LlamaForCausalLM, options: ConversionOptions) -> list[ConversionOptions]:
     """One shared rope key of each width of `rope_pair_choices` (a given mode, or given rope-key flags, leave
     nothing to choose)."""
-    if options.rope_mode != "auto":
+    if options.rope_split != "auto":
         return [options]
     pairs = rope_pair_choices(teacher.config, options)
     if not pairs:
         raise ValueError(
             f"A {options.kv_cut:.2%} cut leaves no room for a rope key beside a latent: lower kv_cut, or choose "
-            "rope_mode='exact'."
+            "rope_split='exact'."
         )
-    return [dataclasses.replace(options, rope_mode="decoupled", rope_pairs=count) for count in pairs]
+    return [dataclasses.replace(options, rope_split="shared", rope_pairs=count) for count in pairs]
 
 
 def decode_path(options: ConversionOptions) -> str:
@@ -73,7 +73,7 @@ def choose_split(
     if len(choices) == 1:
         return choices[0], [], calibrate(teacher, blocks)
     if len(blocks) < 2:
-        raise ValueError("rope_mode='auto' needs at least 2 calibration blocks (one held out to compare on).")
+        raise ValueError("rope_split='auto' needs at least 2 calibration blocks (one held out to compare on).")
     held_out_count = max(1, min(HELD_OUT_BLOCKS, len(blocks) // 8))
     fit, held_out = blocks[:-held_out_count], blocks[-held_out_count:]
     # Scored on blocks as long as the source's context allows (up to 512): partial RoPE loses most at long distances.
@@ -88,7 +88,7 @@ def choose_split(
         rows.append(
             {
                 "candidate": describe(choice, budget.kv_lora_rank),
-                "rope_mode": choice.rope_mode,
+                "rope_split": choice.rope_split,
                 "rope_pairs": None if choice.rope_mode == "exact" else budget.rope_pairs,
                 "kv_lora_rank": budget.kv_lora_rank,
                 "values_per_token_per_layer": budget.values_per_token_per_layer,

@@ -75,18 +75,23 @@ class EGMLAConfig(PreTrainedConfig):
         return max(ranks)
 
     @property
-    def mla_rope_width(self) -> int:
+    def rope_key_width(self) -> int:
         """The cached rope key's width: all `rope_key_heads` rope keys side by side (none in "exact" mode)."""
         return 0 if self.rope_mode == "exact" else self.rope_key_heads * self.qk_rope_head_dim
 
     @property
-    def gated_kv(self) -> bool:
+    def caches_token_ids(self) -> bool:
+        """The gate on K/V: the cache row carries each token's id, to rebuild the gate of past tokens."""
         return self.gate_enabled and self.gate_position == "kv"
+
+    @property
+    def caches_positions(self) -> bool:
+        return self.rope_mode == "exact"
 
     @property
     def id_digits(self) -> int:
         """With the gate on K/V, the cache row ends with the token id as base-256 digits (exact in any dtype)."""
-        if not self.gated_kv:
+        if not self.caches_token_ids:
             return 0
         digits = 1
         while 256**digits < self.vocab_size:
@@ -94,9 +99,10 @@ class EGMLAConfig(PreTrainedConfig):
         return digits
 
     @property
-    def rebuilds_keys(self) -> bool:
-        """Keys rebuilt from every cached latent at every step (no absorbed decode): the gate on K/V, exact rope."""
-        return self.gated_kv or self.rope_mode == "exact"
+    def absorbs(self) -> bool:
+        """Decode by the absorbed MQA over the latent (vLLM's MLA layer as it is); otherwise every cached latent is
+        rebuilt at every step: the gate on K/V, or exact rope."""
+        return self.rope_mode == "decoupled" and (self.gate_position == "latent" or not self.gate_enabled)
 
     @property
     def rebuilt_key_dim(self) -> int:
@@ -107,7 +113,7 @@ class EGMLAConfig(PreTrainedConfig):
     def cache_tail_width(self) -> int:
         """Values past the latent in vLLM's paged cache row: the rope keys and the token id digits (at least one
         value: vLLM's MLA layer needs a rope key; a RoPE-exact latent without the gate on K/V caches a zero)."""
-        tail = self.mla_rope_width + self.id_digits
+        tail = self.rope_key_width + self.id_digits
         return max(tail, 1)
 
     @property
@@ -126,5 +132,5 @@ def check_servable(config: EGMLAConfig) -> None:
         raise ValueError(f"egmla-vllm: rope_type {rope_type!r} is not served (served: {SERVED_ROPE_TYPES}).")
     if config.hidden_act != "silu":
         raise ValueError(f"egmla-vllm: hidden_act {config.hidden_act!r} is not served (only silu).")
-    if config.qk_nope_head_dim <= 0 and not config.rebuilds_keys:
+    if config.qk_nope_head_dim <= 0 and config.absorbs:
         raise ValueError("egmla-vllm: qk_nope_head_dim 0 leaves vLLM's absorbed MLA decode no key to absorb.")

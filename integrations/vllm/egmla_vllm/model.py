@@ -99,35 +99,50 @@ class EGMLAAttention(nn.Module):
         self.kv_lora_rank = config.layer_kv_lora_rank(layer_idx)
         self.latent_width = config.latent_width
         self.q_lora_rank = config.q_lora_rank
-        self.gated_kv, self.id_digits = config.gated_kv, config.id_digits
-        self.rebuilds_keys, self.exact_rope = config.rebuilds_keys, config.rope_mode == "exact"
+        self.caches_token_ids, self.id_digits = config.caches_token_ids, config.id_digits
+        self.absorbs, self.exact_rope = config.absorbs, config.caches_positions
         self.rebuilt_key_dim, self.rope_width, self.tail_width = (
             config.rebuilt_key_dim,
-            config.mla_rope_width,
+            config.rope_key_width,
             config.cache_tail_width,
         )
-        self.gate_table, self.rotary = [gate_table], [rotary]  # the model's modules, not registered a second time
+        # The model's own modules, shared (their parameters keep the model's names: registered there first).
+        self.gate_table, self.rotary = gate_table, rotary
         head_width = self.nope_dim + self.rope_dim
         if self.q_lora_rank is None:
-            self.q_proj = ReplicatedLinear(config.hidden_size, self.num_heads * head_width, bias=False)
+            self.q_proj = ReplicatedLinear(
+                config.hidden_size, self.num_heads * head_width, bias=False, prefix=f"{prefix}.q_proj"
+            )
         else:
-            self.q_a_proj = ReplicatedLinear(config.hidden_size, self.q_lora_rank, bias=False)
+            self.q_a_proj = ReplicatedLinear(
+                config.hidden_size, self.q_lora_rank, bias=False, prefix=f"{prefix}.q_a_proj"
+            )
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
-            self.q_b_proj = ReplicatedLinear(self.q_lora_rank, self.num_heads * head_width, bias=False)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(config.hidden_size, self.kv_lora_rank + self.rope_width, bias=False)
+            self.q_b_proj = ReplicatedLinear(
+                self.q_lora_rank, self.num_heads * head_width, bias=False, prefix=f"{prefix}.q_b_proj"
+            )
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            config.hidden_size, self.kv_lora_rank + self.rope_width, bias=False, prefix=f"{prefix}.kv_a_proj_with_mqa"
+        )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_latent_norm else None
         kv_width = self.rebuilt_key_dim + self.value_dim
         # Built at the padded width: the loader pads the checkpoint's [H*(dn+dv), r] with zero columns.
         self.kv_b_proj = ReplicatedLinear(
             self.latent_width, self.num_heads * kv_width, bias=False, prefix=f"{prefix}.kv_b_proj"
         )
-        self.o_proj = ReplicatedLinear(self.num_heads * self.value_dim, config.hidden_size, bias=False)
+        self.o_proj = ReplicatedLinear(
+            self.num_heads * self.value_dim, config.hidden_size, bias=False, prefix=f"{prefix}.o_proj"
+        )
         self.gate_embedding_proj = self.gate_norm = None
         if config.gate_enabled:  # W^{UE} onto the latent, or onto every head's keys and values
-            gated_width = self.num_heads * kv_width if self.gated_kv else self.kv_lora_rank
-            self.gate_embedding_proj = ReplicatedLinear(config.gate_embedding_dim, gated_width, bias=False)
+            gated_width = self.num_heads * kv_width if self.caches_token_ids else self.kv_lora_rank
+            self.gate_embedding_proj = ReplicatedLinear(
+                config.gate_embedding_dim, gated_width, bias=False, prefix=f"{prefix}.gate_embedding_proj"
+            )
             if config.gate_norm == "rms":
-                self.gate_norm = RMSNorm(kv_width if self.gated_kv else self.kv_lora_rank, eps=config.rms_norm_eps)
+                self.gate_norm = RMSNorm(
+                    kv_width if self.caches_token_ids else self.kv_lora_rank, eps=config.rms_norm_eps
+                )
         self.register_buffer("rope_dims", torch.tensor(rotary_dims(config, layer_idx)), persistent=False)
         self.attn = self.attention_layer(config, cache_config, prefix)
 
@@ -136,9 +151,9 @@ class EGMLAAttention(nn.Module):
             num_heads=self.num_heads, scale=attention_scaling(config), qk_nope_head_dim=self.nope_dim,
             qk_rope_head_dim=self.tail_width, v_head_dim=self.value_dim, q_lora_rank=self.q_lora_rank,
             kv_lora_rank=self.latent_width, kv_b_proj=self.kv_b_proj, cache_config=cache_config, prefix=f"{prefix}.attn",
-            attn_backend=latent_backend(self.latent_width, self.tail_width, self.rebuilds_keys),
+            attn_backend=latent_backend(self.latent_width, self.tail_width, rebuilds=not self.absorbs),
         )  # fmt: skip
-        if self.rebuilds_keys:
+        if not self.absorbs:
             return RebuildingAttention(self.rebuild, **layer)
         return MLAAttention(**layer)
 
@@ -152,8 +167,8 @@ class EGMLAAttention(nn.Module):
         padded to the cache's width."""
         if self.kv_a_layernorm is not None:
             kv_latent = self.kv_a_layernorm(kv_latent)
-        if self.gate_embedding_proj is not None and not self.gated_kv:
-            kv_latent = kv_latent * (1 + self.gate_embedding_proj(self.gate_table[0](input_ids))[0])
+        if self.gate_embedding_proj is not None and not self.caches_token_ids:
+            kv_latent = kv_latent * (1 + self.gate_embedding_proj(self.gate_table(input_ids))[0])
             if self.gate_norm is not None:
                 kv_latent = self.gate_norm(kv_latent)
         return nn.functional.pad(kv_latent, (0, self.latent_width - self.kv_lora_rank))
@@ -165,10 +180,10 @@ class EGMLAAttention(nn.Module):
         requests, length, _ = rows.shape
         latent, tail = rows.split([self.latent_width, self.tail_width], dim=-1)
         kv = self.kv_b_proj(latent.reshape(requests * length, -1))[0]
-        if self.gated_kv:
+        if self.caches_token_ids:
             digits = tail[..., self.rope_width : self.rope_width + self.id_digits].round().long()
             ids = (digits * 256 ** torch.arange(self.id_digits, device=rows.device)).sum(-1)  # padding rows: 0
-            kv = kv * (1 + self.gate_embedding_proj(self.gate_table[0](ids.flatten()))[0])
+            kv = kv * (1 + self.gate_embedding_proj(self.gate_table(ids.flatten()))[0])
             if self.gate_norm is not None:
                 kv = self.gate_norm(kv.view(requests * length * self.num_heads, -1))
         kv = kv.view(requests, length, self.num_heads, -1)
@@ -176,7 +191,7 @@ class EGMLAAttention(nn.Module):
         if self.exact_rope:  # a request's cached positions are 0 .. T-1, in its slots' order
             cos, sin = (
                 part[:, self.rope_dims[0]][None, :, None]
-                for part in self.rotary[0](torch.arange(length, device=rows.device))
+                for part in self.rotary(torch.arange(length, device=rows.device))
             )
             key_rope = rotate(key[..., self.nope_dim :], cos.to(key.dtype), sin.to(key.dtype))
             return torch.cat([key[..., : self.nope_dim], key_rope], dim=-1), value
@@ -189,7 +204,7 @@ class EGMLAAttention(nn.Module):
         """What the cache row holds past the latent for the new tokens [T, 1, tail]: the rope keys, the token id
         as base-256 digits (gate on K/V), or one zero (a RoPE-exact latent without it)."""
         parts = [rope_key]
-        if self.gated_kv:
+        if self.caches_token_ids:
             digits = (input_ids[:, None] // 256 ** torch.arange(self.id_digits, device=input_ids.device)) % 256
             parts.append(digits[:, None].to(rope_key.dtype))
         tail = torch.cat(parts, dim=-1)
@@ -209,7 +224,7 @@ class EGMLAAttention(nn.Module):
         if not self.exact_rope:
             rope_key = rotate(rope_key.view(tokens, rope_heads, 1, rope_dim), cos, sin)
         rope_key = rope_key.reshape(tokens, 1, -1)
-        if self.rebuilds_keys:  # the queries keep their own rope dims; the cache row ends with the tail
+        if not self.absorbs:  # the queries keep their own rope dims; the cache row ends with the tail
             query_rope = query_rope.reshape(tokens, heads, rope_dim)
             rope_key = self.cache_tail(rope_key, input_ids)
         else:  # each head's rope query in its group's slot of the Hr * dr rope key: [T, Hr, G, Hr, dr]
@@ -244,7 +259,9 @@ class EGMLAModel(nn.Module):
         super().__init__()
         config: EGMLAConfig = vllm_config.model_config.hf_config
         self.config = config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+        )
         self.gate_embeddings = nn.ModuleList(
             nn.Embedding(config.vocab_size, config.gate_embedding_dim)
             for _ in range(config.num_hidden_layers // config.gate_layers_per_table if config.gate_enabled else 0)

@@ -107,13 +107,13 @@ def stories_models() -> dict[str, EGMLAForCausalLM]:
     teacher = load_llama(STORIES260K)
     models = {}
     for name, options in {
-        "latent-shared": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", gate_embedding_dim=32, gate_position="latent",
+        "latent-shared": ConversionOptions(kv_lora_rank=32, rope_split="shared", gate_embedding_dim=32, gate_position="latent",
                                            factorization="weight"),
-        "off-per-head": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", rope_keys="per_head",
+        "off-per-head": ConversionOptions(kv_lora_rank=32, rope_split="per_head",
                                           gate_embedding_dim=0, factorization="weight"),
-        "kv": ConversionOptions(kv_lora_rank=32, rope_mode="decoupled", gate_embedding_dim=32, gate_position="kv",
+        "kv": ConversionOptions(kv_lora_rank=32, rope_split="shared", gate_embedding_dim=32, gate_position="kv",
                                 factorization="weight"),
-        "exact-kv": ConversionOptions(kv_lora_rank=32, rope_mode="exact", gate_embedding_dim=32, gate_position="kv",
+        "exact-kv": ConversionOptions(kv_lora_rank=32, rope_split="exact", gate_embedding_dim=32, gate_position="kv",
                                       factorization="weight"),
     }.items():  # fmt: skip
         student = convert_llama_to_egmla(teacher, options).eval()

@@ -1,0 +1,79 @@
+"""The CLI is built from the option dataclasses' fields, and the flag spellings scripts use keep working."""
+
+import dataclasses
+
+import pytest
+
+from egmla.cli import build_parser, conversion_options, reconstruction_settings
+from egmla.conversion import ConversionOptions
+from egmla.conversion.pipeline import TextSettings
+from egmla.conversion.reconstruction import ReconstructionSettings
+from egmla.quickstart import QuickstartSettings
+from egmla.training import FinetuneSettings
+
+
+def options_of(*flags: str) -> ConversionOptions:
+    return conversion_options(build_parser().parse_args(["convert", "SRC", "--out", "OUT", *flags]))
+
+
+@pytest.mark.parametrize(
+    ("command", "cls", "prefix"),
+    [
+        ("convert", ConversionOptions, ""),
+        ("convert", TextSettings, ""),
+        ("convert", FinetuneSettings, ""),
+        ("convert", ReconstructionSettings, "reconstruction_"),
+        ("retrofit", ConversionOptions, ""),
+        ("finetune", FinetuneSettings, ""),
+        ("quickstart", QuickstartSettings, ""),
+    ],
+)
+def test_every_option_field_is_a_flag_with_its_help_and_choices(command, cls, prefix):
+    """Declared once: each `option` field of the command's dataclasses is a flag named after it, with its help
+    text, choices and older spellings."""
+    parser = build_parser()
+    subparser = parser._subparsers._group_actions[0].choices[command]
+    actions = {action.dest: action for action in subparser._actions}
+    declared = [field for field in dataclasses.fields(cls) if "help" in field.metadata]
+    assert declared
+    for field in declared:
+        action = actions[prefix + field.name]
+        assert f"--{(prefix + field.name).replace('_', '-')}" in action.option_strings
+        assert set(field.metadata["flags"]) <= set(action.option_strings)
+        assert action.help == field.metadata["help"].replace("%", "%%")
+        assert action.choices == field.metadata["choices"]
+
+
+def test_parsed_flags_become_the_dataclasses():
+    args = build_parser().parse_args(
+        ["convert", "SRC", "--out", "OUT", "--kv-cut", "0.5", "--gate-dim", "8", "--lr", "5e-4",
+         "--reconstruction-steps", "7", "--gate-init", "identity", "--calib-blocks", "3", "--seed", "4"]
+    )  # fmt: skip
+    assert conversion_options(args).gate_embedding_dim == 8 and conversion_options(args).seed == 4
+    settings = reconstruction_settings(args)
+    assert (settings.steps, settings.gate_init, settings.seed) == (7, "identity", 4)
+    assert args.learning_rate == 5e-4 and args.calibration_blocks == 3
+
+
+@pytest.mark.parametrize(
+    ("flags", "rope_split"),
+    [
+        ((), "auto"),
+        (("--rope-split", "per_head"), "per_head"),
+        (("--rope-mode", "exact"), "exact"),
+        (("--rope-mode", "decoupled"), "shared"),
+        (("--rope-mode", "decoupled", "--rope-keys", "per_head"), "per_head"),
+        (("--rope-keys", "per_head"), "per_head"),
+        (("--rope-mode", "auto"), "auto"),
+        (("--rope-pairs", "3"), "shared"),  # a given width leaves nothing to choose
+    ],
+)
+def test_rope_split_and_its_older_spellings(flags, rope_split):
+    assert options_of("--kv-cut", "0.5", *flags).rope_split == rope_split
+
+
+def test_a_choice_outside_a_fields_choices_is_refused_by_name():
+    with pytest.raises(ValueError, match="pair_selection must be one of"):
+        ConversionOptions(kv_cut=0.5, pair_selection="largest")
+    with pytest.raises(SystemExit):  # argparse names the flag and its choices
+        options_of("--kv-cut", "0.5", "--rope-split", "partial")
