@@ -54,6 +54,16 @@ def below_one(value: float) -> None:
         raise ValueError(f"must be in [0, 1), got {value}")
 
 
+def known_rope_type(value: dict | None) -> None:
+    rope_type = (value or {}).get("rope_type", "default")
+    needs_factor = rope_type not in ("default", "longrope")
+    if rope_type != "default" and (rope_type not in ROPE_INIT_FUNCTIONS or needs_factor and "factor" not in value):
+        raise ValueError(
+            f"must name one of transformers' rope types {['default', *ROPE_INIT_FUNCTIONS]} and, but for default "
+            f"and longrope, a `factor`; got {value}"
+        )
+
+
 def activation(value: str) -> None:
     if value not in ACT2FN:
         raise ValueError(f"{value!r} is not a transformers activation")
@@ -180,7 +190,7 @@ class EGMLAConfig(PreTrainedConfig):
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     tie_word_embeddings: bool = False
-    rope_parameters: RopeParameters | dict | None = None
+    rope_parameters: RopeParameters | dict | None = validated_field(known_rope_type, default=None)
     rope_frequency_dim: int | None = validated_field(even, default=None)
     rope_frequency_indices: list[list[list[int]]] | None = None
     attention_dropout: float | int = validated_field(below_one, default=0.0)
@@ -264,12 +274,6 @@ class EGMLAConfig(PreTrainedConfig):
                 f"{self.rope_frequency_indices})."
             )
         self.validate_rope_frequencies()
-        rope_type = self.rope_parameters.get("rope_type", "default")
-        if rope_type != "default" and (rope_type not in ROPE_INIT_FUNCTIONS or "factor" not in self.rope_parameters):
-            raise ValueError(
-                f"`rope_parameters` must name one of transformers' rope types {['default', *ROPE_INIT_FUNCTIONS]} "
-                f"and, but for default and longrope, a `factor`; got {self.rope_parameters}."
-            )
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             if any(token_id is not None and not 0 <= token_id < self.vocab_size for token_id in _as_list(value)):
