@@ -952,8 +952,10 @@ def blocked_attention(
 ) -> tuple[torch.Tensor, None]:
     """The re-expansion decode, DECODE_BLOCK cached positions at a time with an online softmax (flash-decoding
     in PyTorch): each block's expanded K/V is used while it is in fast memory, instead of the whole context
-    expanded into main memory and read back pass after pass (`egmla bench decode` measures it). New queries
-    [B, H, S, .] over the cache; returns [B, S, H, dv]."""
+    expanded into main memory and read back pass after pass (`egmla bench decode` measures it). Where no gate sits
+    on the values (RoPE-exact keys, the gate off or on the latent) only the keys are rebuilt: the weights sum the
+    cached latents, and W^{UV} is applied once after. New queries [B, H, S, .] over the cache; returns
+    [B, S, H, dv]."""
     q_nope, q_rope, latent, rope_key, gate_rows, key_rotary = step[1:7]
     batch_size, heads, query_length, _ = q_nope.shape
     key_length = latent.shape[2]
@@ -969,16 +971,23 @@ def blocked_attention(
         q_nope = q_nope * key_weight
     query = torch.cat([q_nope, q_rope], dim=-1) if rope_scores is None else q_nope
     kv_weight = step.kv_weight  # [H, dk+dv, r]
+    absorbs_values = module.gate_position != "kv" or module.gate_embedding_proj is None
+    if absorbs_values:
+        kv_weight, up_value = kv_weight.split([module.rebuilt_key_dim, module.v_head_dim], dim=1)
     if attention_mask is None and query_length > 1:
         attention_mask = causal_mask(query_length, key_length, latent.device)
     running_max = q_nope.new_full((batch_size, heads, query_length, 1), float("-inf"), dtype=torch.float32)
     running_sum = torch.zeros_like(running_max)
-    output = q_nope.new_zeros(batch_size, heads, query_length, module.v_head_dim, dtype=torch.float32)
+    width = module.kv_lora_rank if absorbs_values else module.v_head_dim  # of what the weights sum
+    output = q_nope.new_zeros(batch_size, heads, query_length, width, dtype=torch.float32)
     for start in range(0, key_length, DECODE_BLOCK):
         end = min(start + DECODE_BLOCK, key_length)
         block_gate = gate_of_block(module, gate, gate_rows, start, end)
         kv = rebuild_block(module, latent[:, :, start:end], block_gate, kv_weight, normed=not fold_norm)
-        key, value = kv.split([module.rebuilt_key_dim, module.v_head_dim], dim=-1)
+        if absorbs_values:  # the weights sum the cached latents themselves
+            key, value = kv, latent[:, :, start:end]
+        else:
+            key, value = kv.split([module.rebuilt_key_dim, module.v_head_dim], dim=-1)
         norm_scale = gate_norm_scale(module, kv).unsqueeze(2) if fold_norm else 1.0  # [B, H, 1, t]
         if rope_scores is None:  # "exact" rope: the rebuilt rope dims turn with each cached position
             rotary = tuple(part[:, :, start:end] for part in key_rotary)
@@ -999,6 +1008,8 @@ def blocked_attention(
     output = output / running_sum
     if fold_norm:
         output = output * value_weight
+    if absorbs_values:  # [B, H, S, r] -> [B, H, S, dv], per head
+        output = torch.einsum("bhsr,hvr->bhsv", output, up_value.float())
     return output.to(q_nope.dtype).transpose(1, 2), None
 
 

@@ -420,3 +420,34 @@ def test_the_blocked_re_expansion_equals_the_whole_one(gate_position, gate_dim, 
             for attention_mask in masks:
                 blocked, _ = blocked_attention(module, step, attention_mask)
                 torch.testing.assert_close(blocked, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("gate_position", "gate_dim", "values_absorbed"),
+    [("latent", 10, True), ("kv", 0, True), ("kv", 10, False)],
+)
+def test_the_re_expansion_rebuilds_only_keys_where_no_gate_sits_on_the_values(
+    monkeypatch, gate_position, gate_dim, values_absorbed
+):
+    """RoPE-exact keys with the gate off or on the latent: each block rebuilds only the keys, the weights sum the
+    cached latents and W^{UV} follows once (equal to the whole expansion, above); the gate on K/V rebuilds both."""
+    import egmla.modeling_egmla as modeling
+
+    module = attention_module(gate_position, 1, gate_dim, "rms", rope_mode="exact")
+    rotary_emb = EGMLAForCausalLM(module.config).model.rotary_emb
+    call, mask = decode_step(module, 2, 40, 1, 3)
+    cos, sin = rotary_emb(call.latent, torch.arange(40)[None].expand(2, -1))
+    call = call._replace(rope_key=call.rope_key[..., :0], key_rotary=module.select_rotary(cos, sin))
+    widths, rebuild = [], modeling.rebuild_block
+
+    def recording(*args, **kwargs):
+        kv = rebuild(*args, **kwargs)
+        widths.append(kv.shape[-1])  # per head, what each block rebuilds
+        return kv
+
+    monkeypatch.setattr(modeling, "rebuild_block", recording)
+    blocked, _ = blocked_attention(module, call, mask[:, None])
+    expected, _ = expanded_attention(module, call, mask[:, None])
+    torch.testing.assert_close(blocked, expected, rtol=1e-5, atol=1e-5)
+    rebuilt = module.rebuilt_key_dim + (0 if values_absorbed else module.v_head_dim)
+    assert widths and set(widths) == {rebuilt}

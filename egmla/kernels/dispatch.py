@@ -142,6 +142,7 @@ def kv_step(module: torch.nn.Module, call, mask: torch.Tensor, backend: str) -> 
         scaling=module.scaling,
         nope_dim=module.qk_nope_head_dim,
         rope_key_heads=module.rope_key_heads,
+        absorb_values=gate_weight is None,  # no gate on the values: exact rope, the gate off or on the latent
     )
     return kernel(backend, "decode_kv")(inputs, weights)
 

@@ -17,10 +17,11 @@ def decode_kv(inputs: KVDecodeInputs, weights: KVDecodeWeights) -> torch.Tensor:
     when `gate_index` is given) and gathered per position.
     """
     query, latent, rope_key, gate_rows, gate_index, key_cos, key_sin, mask = inputs
-    kv_weight, gate_weight, norm_weight, norm_eps, scaling, nope_dim, rope_key_heads = weights
+    kv_weight, gate_weight, norm_weight, norm_eps, scaling, nope_dim, rope_key_heads, absorb_values = weights
     batch_size, heads, query_length, qk_dim = query.shape
     key_length = latent.shape[1]
-    kv = torch.matmul(latent, kv_weight.flatten(0, 1).t()).view(batch_size, key_length, heads, -1)  # [B, T, H, C]
+    rebuilt = kv_weight[:, : qk_dim if key_cos is not None else nope_dim] if absorb_values else kv_weight
+    kv = torch.matmul(latent, rebuilt.flatten(0, 1).t()).view(batch_size, key_length, heads, -1)  # [B, T, H, C]
     if gate_weight is not None:
         gate = torch.matmul(gate_rows, gate_weight.flatten(0, 1).t()).view(-1, heads, kv.shape[-1])  # [U, H, C]
         gate = gate.view(batch_size, key_length, heads, -1) if gate_index is None else gate[gate_index]
@@ -45,6 +46,9 @@ def decode_kv(inputs: KVDecodeInputs, weights: KVDecodeWeights) -> torch.Tensor:
         rope_key = rope_key.view(batch_size, key_length, rope_key_heads, rope_dim).permute(0, 2, 3, 1).unsqueeze(2)
         scores = scores + torch.matmul(query_rope, rope_key).view(batch_size, heads, query_length, key_length)
     scores = (scores.float() * scaling).masked_fill(~mask[:, None], float("-inf"))
+    if absorb_values:  # every head's weights over the shared latents [B, H, S, r], then W^{UV} per head
+        out_latent = torch.matmul(torch.softmax(scores, dim=-1).to(latent.dtype), latent[:, None])
+        return torch.einsum("bhsr,hvr->bshv", out_latent, kv_weight[:, rebuilt.shape[1] :])
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     return torch.matmul(probs, value).transpose(1, 2)
 

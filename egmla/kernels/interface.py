@@ -29,6 +29,9 @@ class KVDecodeWeights(NamedTuple):
     scaling: float
     nope_dim: int
     rope_key_heads: int
+    # No gate on the values (RoPE-exact keys, the gate off or on the latent): only the keys are rebuilt, the weights
+    # sum the cached latents, and W^{UV} (the last dv rows of kv_weight) is applied once after.
+    absorb_values: bool = False
 
 
 class LatentDecodeInputs(NamedTuple):

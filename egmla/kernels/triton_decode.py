@@ -91,7 +91,7 @@ def _decode_kv_kernel(
     gate_weight_ptr,  # [H, DK + DV, DE]
     norm_weight_ptr,  # [DK + DV]
     mask_ptr,  # [B, S, T] int8
-    acc_ptr,  # [B, H, S, SPLITS, DV]
+    acc_ptr,  # [B, H, S, SPLITS, DO]: DO = R (ABSORB_VALUES: the weighted sum of latents) or DV
     max_ptr,  # [B, H, S, SPLITS]
     sum_ptr,  # [B, H, S, SPLITS]
     key_length,
@@ -111,6 +111,8 @@ def _decode_kv_kernel(
     HAS_GATE: tl.constexpr,
     GATE_INDEXED: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    ABSORB_VALUES: tl.constexpr,
+    DO: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -120,6 +122,7 @@ def _decode_kv_kernel(
     BLOCK_DH: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_DE: tl.constexpr,
+    BLOCK_DO: tl.constexpr,
 ):
     row = tl.program_id(0)  # one (batch, head, query) row
     split = tl.program_id(1)
@@ -162,7 +165,7 @@ def _decode_kv_kernel(
 
     running_max = -1e30  # finite, so that a block masked out entirely gives exp(0) * 0, not NaN
     running_sum = 0.0
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_DO], dtype=tl.float32)
     start = split * split_size
     end = tl.minimum(start + split_size, key_length)
     for t0 in range(start, end, BLOCK_T):
@@ -185,7 +188,10 @@ def _decode_kv_kernel(
             if UPCAST:
                 rows = rows.to(tl.float32)
         key = _rebuild(latent, w_key, rows, g_key, HAS_GATE, PRECISION)  # [BLOCK_T, BLOCK_DN]
-        value = _rebuild(latent, w_value, rows, g_value, HAS_GATE, PRECISION)  # [BLOCK_T, BLOCK_DV]
+        if ABSORB_VALUES:  # no gate on the values: the weights sum the latents, W^{UV} is applied after
+            value = latent  # [BLOCK_T, BLOCK_R]
+        else:
+            value = _rebuild(latent, w_value, rows, g_value, HAS_GATE, PRECISION)  # [BLOCK_T, BLOCK_DV]
         square_sum = tl.sum(key * key, axis=1) + tl.sum(value * value, axis=1)
         if EXACT_ROPE:
             low = _rebuild(latent, w_low, rows, g_low, HAS_GATE, PRECISION)  # [BLOCK_T, BLOCK_DH]
@@ -224,8 +230,8 @@ def _decode_kv_kernel(
         acc = acc * rescale + tl.sum(probs[:, None] * value, axis=0)
         running_max = new_max
     out = row * splits + split
-    dv = tl.arange(0, BLOCK_DV)
-    tl.store(acc_ptr + out * DV + dv, acc, mask=dv < DV)
+    do = tl.arange(0, BLOCK_DO)
+    tl.store(acc_ptr + out * DO + do, acc, mask=do < DO)
     tl.store(max_ptr + out, running_max)
     tl.store(sum_ptr + out, running_sum)
 
@@ -338,17 +344,16 @@ def decode_kv(
 ) -> torch.Tensor:
     """See `fused_torch.decode_kv`; returns [B, S, H, dv] (written into `out` when given)."""
     query, latent, rope_key, gate_rows, gate_index, key_cos, key_sin, mask = inputs
-    kv_weight, gate_weight, norm_weight, norm_eps, scaling, nope_dim, rope_key_heads = weights
+    kv_weight, gate_weight, norm_weight, norm_eps, scaling, nope_dim, rope_key_heads, absorb_values = weights
     batch_size, heads, query_length, qk_dim = query.shape
     key_length, rank = latent.shape[1], latent.shape[2]
     exact_rope = key_cos is not None
     value_dim = kv_weight.shape[1] - (qk_dim if exact_rope else nope_dim)
-    rope_dim = qk_dim - nope_dim
-    dtype = latent.dtype
-    rows = batch_size * heads * query_length
+    rope_dim, dtype, rows = qk_dim - nope_dim, latent.dtype, batch_size * heads * query_length
     split_size = split_size or split_size_for(key_length, rows, block_t)
     splits = math.ceil(key_length / split_size)
-    acc, running_max, running_sum = split_buffers(rows, splits, value_dim, latent.device)
+    out_dim = rank if absorb_values else value_dim  # what the weights sum: the latents, or the rebuilt values
+    acc, running_max, running_sum = split_buffers(rows, splits, out_dim, latent.device)
     gate_dim = gate_weight.shape[-1] if gate_weight is not None else 1
     _decode_kv_kernel[(rows, splits)](
         query_ptr=query.contiguous(),
@@ -382,6 +387,8 @@ def decode_kv(
         HAS_GATE=gate_weight is not None,
         GATE_INDEXED=gate_index is not None,
         HAS_NORM=norm_weight is not None,
+        ABSORB_VALUES=absorb_values,
+        DO=out_dim,
         PRECISION=precision(dtype),
         UPCAST=INTERPRETED,
         BLOCK_T=block_t,
@@ -391,12 +398,13 @@ def decode_kv(
         BLOCK_DH=block(rope_dim // 2),
         BLOCK_R=block(rank),
         BLOCK_DE=block(gate_dim),
+        BLOCK_DO=block(out_dim),
     )
-    result = merge_splits(acc, running_max, running_sum).view(batch_size, heads, query_length, value_dim)
+    result = merge_splits(acc, running_max, running_sum).view(batch_size, heads, query_length, out_dim)
+    if absorb_values:  # W^{UV} per head, once per query instead of once per cached position
+        result = torch.einsum("bhsr,hvr->bhsv", result, kv_weight[:, -value_dim:].float())
     result = result.transpose(1, 2).to(query.dtype)
-    if out is None:
-        return result
-    return out.copy_(result)
+    return result if out is None else out.copy_(result)
 
 
 def decode_latent(
