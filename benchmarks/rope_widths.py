@@ -22,8 +22,8 @@ VARIANTS = (
     {"rope_pairs": 4},
     {"rope_pairs": 6},
     {"rope_pairs": 8},
-    {"rope_pairs": 1, "rope_keys": "per_head"},
-    {"rope_pairs": 2, "rope_keys": "per_head"},
+    {"rope_pairs": 1, "rope_split": "per_head"},
+    {"rope_pairs": 2, "rope_split": "per_head"},
     {"rope_pairs": 4, "gate_embedding_dim": 32, "gate_position": "latent"},
 )
 

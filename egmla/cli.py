@@ -54,10 +54,17 @@ def add_conversion_options(parser: argparse.ArgumentParser) -> None:
 
 
 def rope_split(args: argparse.Namespace) -> str:
-    """--rope-split, or what the older --rope-mode and --rope-keys say."""
-    if args.rope_mode == "exact" or args.rope_keys is not None:
-        return "exact" if args.rope_mode == "exact" else args.rope_keys
-    return {"decoupled": "shared", "auto": "auto"}.get(args.rope_mode, args.rope_split)
+    """--rope-split, or what the older --rope-mode and --rope-keys meant (`--rope-keys shared`, their default, left
+    the split to the search unless `--rope-mode decoupled` said otherwise)."""
+    if args.rope_mode is None and args.rope_keys is None:
+        return args.rope_split
+    if args.rope_split != "auto":
+        raise ValueError("give --rope-split, or the older --rope-mode and --rope-keys, not both")
+    if args.rope_mode == "exact":
+        return "exact"
+    if args.rope_keys == "per_head" or args.rope_mode == "decoupled":
+        return args.rope_keys or "shared"
+    return "auto"
 
 
 def add_reconstruction_options(parser: argparse.ArgumentParser) -> None:

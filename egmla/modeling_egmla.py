@@ -391,8 +391,9 @@ class EGMLAStaticCacheLayer(StaticLayer):
         self.is_initialized = True
 
     def cached_rows(self) -> torch.Tensor | None:
-        """All L rows [latent ; rope key] [B, 1, L, r + Hr*dr] (the mask hides the unwritten ones)."""
-        return self.storage
+        """All L rows [latent ; rope key] [B, 1, L, r + Hr*dr] (the mask hides the unwritten ones); None while
+        offloaded (`update` offloads an offloaded cache's layer before the attention reads it)."""
+        return self.storage if self.storage is not None and self.storage.device == self.device else None
 
     def offload(self) -> None:
         if self.is_initialized:  # the storage moves, and the views follow it
@@ -865,11 +866,13 @@ def decode_attention(
     return blocked_attention(module, step, attention_mask)
 
 
-def absorbed_weights(module: "EGMLAAttention", like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def absorbed_weights(
+    module: "EGMLAAttention", like: torch.Tensor, weight: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """W^{UK} as [H, dn, r] and W^{UV} transposed as [H, r, dv], contiguous for the absorbed decode's batched
-    products; made once per weight version and kept while no gradient flows (an adapter's effective weight, or
-    a weight being trained, is made at every call)."""
-    weight = module.kv_b_weight(like=like)
+    products, from W^{UKV} [H, dn+dv, r] (`weight`, the step's, else the layer's); made once per weight version and
+    kept while no gradient flows (an adapter's effective weight, or a weight being trained, is made at every call)."""
+    weight = module.kv_b_weight(like=like) if weight is None else weight
     parameter = plain_weight(module.kv_b_proj)  # an adapter's weight is made anew at each call: never kept
     reusable = parameter is not None and not torch.compiler.is_compiling()
     reusable = reusable and not (torch.is_grad_enabled() and parameter.requires_grad)
@@ -894,7 +897,7 @@ def absorbed_attention(
     Returns the output [B, S, H, dv] and the attention weights [B, H, S, T] (None from SDPA).
     """
     batch_size, heads, query_length, _ = step.q_nope.shape
-    w_uk, w_uv = absorbed_weights(module, like=step.latent)  # [H, dn, r], [H, r, dv]
+    w_uk, w_uv = absorbed_weights(module, step.latent, step.kv_weight)  # [H, dn, r], [H, r, dv]
     q_nope = step.q_nope.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
     q_latent = torch.bmm(q_nope, w_uk).view(heads, batch_size, query_length, -1).transpose(0, 1)  # [B, H, S, r]
     rows = step.cached_rows if step.rope_key.shape[-1] and not need_weights and module.rope_key_heads == 1 else None

@@ -65,6 +65,9 @@ def test_parsed_flags_become_the_dataclasses():
         (("--rope-mode", "decoupled", "--rope-keys", "per_head"), "per_head"),
         (("--rope-keys", "per_head"), "per_head"),
         (("--rope-mode", "auto"), "auto"),
+        (("--rope-keys", "shared"), "auto"),  # their defaults left the split to the search
+        (("--rope-mode", "auto", "--rope-keys", "shared"), "auto"),
+        (("--rope-mode", "decoupled", "--rope-keys", "shared"), "shared"),
         (("--rope-pairs", "3"), "shared"),  # a given width leaves nothing to choose
     ],
 )
@@ -75,5 +78,7 @@ def test_rope_split_and_its_older_spellings(flags, rope_split):
 def test_a_choice_outside_a_fields_choices_is_refused_by_name():
     with pytest.raises(ValueError, match="pair_selection must be one of"):
         ConversionOptions(kv_cut=0.5, pair_selection="largest")
+    with pytest.raises(ValueError, match="not both"):
+        options_of("--kv-cut", "0.5", "--rope-split", "per_head", "--rope-mode", "auto")
     with pytest.raises(SystemExit):  # argparse names the flag and its choices
         options_of("--kv-cut", "0.5", "--rope-split", "partial")

@@ -451,3 +451,19 @@ def test_the_re_expansion_rebuilds_only_keys_where_no_gate_sits_on_the_values(
     torch.testing.assert_close(blocked, expected, rtol=1e-5, atol=1e-5)
     rebuilt = module.rebuilt_key_dim + (0 if values_absorbed else module.v_head_dim)
     assert widths and set(widths) == {rebuilt}
+
+
+@pytest.mark.parametrize(("gate_position", "gate_dim"), [("kv", 10), ("latent", 10)])
+def test_the_fused_kernels_read_the_caches_rows_where_they_lie(gate_position, gate_dim):
+    """The latent and rope keys as the caches hand them: views of one storage of rows [latent ; rope key] with
+    room to spare. Both backends read them in place and give what contiguous copies give."""
+    module = attention_module(gate_position, 1, gate_dim, "rms")
+    call, mask = decode_step(module, 2, 37, 1, 3)
+    rank, width = call.latent.shape[-1], call.rope_key.shape[-1]
+    storage = torch.full((2, 1, 48, rank + width), float("nan"))  # unwritten rows must never be read
+    storage[:, :, :37, :rank], storage[:, :, :37, rank:] = call.latent, call.rope_key
+    rows = call._replace(latent=storage[:, :, :37, :rank], rope_key=storage[:, :, :37, rank:])
+    assert not rows.latent.is_contiguous()
+    for backend in ("triton", "compiled"):
+        expected = kernels.fused_decode(module, call, mask[:, None], backend)
+        torch.testing.assert_close(kernels.fused_decode(module, rows, mask[:, None], backend), expected)

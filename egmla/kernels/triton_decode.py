@@ -81,8 +81,8 @@ def _positions(base, token, first, count, inside, BLOCK: tl.constexpr):
 @triton.jit
 def _decode_kv_kernel(
     query_ptr,  # [B, H, S, DN + DR]
-    latent_ptr,  # [B, T, R]
-    rope_key_ptr,  # [B, T, HR * DR] (decoupled rope)
+    latent_ptr,  # [B, T, R], rows `latent_strides` apart (a view of the cache's [latent ; rope key] rows)
+    rope_key_ptr,  # [B, T, HR * DR] (decoupled rope), rows `rope_strides` apart
     key_cos_ptr,  # [B, T, DR] (EXACT_ROPE: the rebuilt keys' rope dims turn with their positions)
     key_sin_ptr,  # [B, T, DR]
     gate_rows_ptr,  # [U, DE]
@@ -94,6 +94,10 @@ def _decode_kv_kernel(
     acc_ptr,  # [B, H, S, SPLITS, DO]: DO = R (ABSORB_VALUES: the weighted sum of latents) or DV
     max_ptr,  # [B, H, S, SPLITS]
     sum_ptr,  # [B, H, S, SPLITS]
+    latent_batch_stride,
+    latent_row_stride,
+    rope_batch_stride,
+    rope_row_stride,
     key_length,
     heads,
     query_length,
@@ -172,8 +176,9 @@ def _decode_kv_kernel(
         t = t0 + tl.arange(0, BLOCK_T)
         inside = t < end
         token = b * key_length + t
+        cached = b * latent_batch_stride + t * latent_row_stride
         latent = tl.load(
-            latent_ptr + token[:, None] * R + rr[None, :], mask=inside[:, None] & (rr[None, :] < R), other=0.0
+            latent_ptr + cached[:, None] + rr[None, :], mask=inside[:, None] & (rr[None, :] < R), other=0.0
         )
         if UPCAST:
             latent = latent.to(tl.float32)
@@ -216,7 +221,7 @@ def _decode_kv_kernel(
         else:
             dr = tl.arange(0, BLOCK_DR)
             rope_key = tl.load(
-                rope_key_ptr + token[:, None] * (HR * DR) + g * DR + dr[None, :],
+                rope_key_ptr + (b * rope_batch_stride + t * rope_row_stride)[:, None] + g * DR + dr[None, :],
                 mask=inside[:, None] & (dr[None, :] < DR),
                 other=0.0,
             ).to(tl.float32)
@@ -240,12 +245,16 @@ def _decode_kv_kernel(
 def _decode_latent_kernel(
     query_latent_ptr,  # [B, M, R], M = H * S rows (row = head * S + query)
     query_rope_ptr,  # [B, M, RW], RW = HR * DR
-    latent_ptr,  # [B, T, R]
-    rope_key_ptr,  # [B, T, RW]
+    latent_ptr,  # [B, T, R], rows `latent_strides` apart (a view of the cache's [latent ; rope key] rows)
+    rope_key_ptr,  # [B, T, RW], rows `rope_strides` apart
     mask_ptr,  # [B, S, T] int8
     acc_ptr,  # [B, M, SPLITS, R]
     max_ptr,  # [B, M, SPLITS]
     sum_ptr,  # [B, M, SPLITS]
+    latent_batch_stride,
+    latent_row_stride,
+    rope_batch_stride,
+    rope_row_stride,
     key_length,
     query_length,
     rows,
@@ -292,12 +301,13 @@ def _decode_latent_kernel(
     for t0 in range(start, end, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         inside = t < end
-        token = b * key_length + t
+        cached = b * latent_batch_stride + t * latent_row_stride
         latent = tl.load(
-            latent_ptr + token[:, None] * R + rr[None, :], mask=inside[:, None] & (rr[None, :] < R), other=0.0
+            latent_ptr + cached[:, None] + rr[None, :], mask=inside[:, None] & (rr[None, :] < R), other=0.0
         )
+        cached = b * rope_batch_stride + t * rope_row_stride
         rope_key = tl.load(
-            rope_key_ptr + token[:, None] * RW + rw[None, :], mask=inside[:, None] & (rw[None, :] < RW), other=0.0
+            rope_key_ptr + cached[:, None] + rw[None, :], mask=inside[:, None] & (rw[None, :] < RW), other=0.0
         )
         if UPCAST:
             latent = latent.to(tl.float32)
@@ -325,6 +335,20 @@ def _decode_latent_kernel(
 def precision(dtype: torch.dtype) -> str:
     """fp32 stays fp32 in tl.dot (tf32 would miss the 1e-4 tolerance); half types use the tensor cores as they are."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def cache_rows(latent: torch.Tensor, rope_key: torch.Tensor) -> dict:
+    """The cache's latent [B, T, R] and rope keys [B, T, W] where they lie (each row contiguous, rows and batches
+    strided: views of the cache's [latent ; rope key] rows are read in place, not copied per step)."""
+    latent, rope_key = (part if part.stride(-1) == 1 else part.contiguous() for part in (latent, rope_key))
+    return {
+        "latent_ptr": latent,
+        "rope_key_ptr": rope_key,
+        "latent_batch_stride": latent.stride(0),
+        "latent_row_stride": latent.stride(1),
+        "rope_batch_stride": rope_key.stride(0),
+        "rope_row_stride": rope_key.stride(1),
+    }
 
 
 def split_buffers(rows: int, splits: int, width: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -357,8 +381,7 @@ def decode_kv(
     gate_dim = gate_weight.shape[-1] if gate_weight is not None else 1
     _decode_kv_kernel[(rows, splits)](
         query_ptr=query.contiguous(),
-        latent_ptr=latent.contiguous(),
-        rope_key_ptr=rope_key.contiguous(),
+        **cache_rows(latent, rope_key),
         key_cos_ptr=key_cos.float().contiguous() if exact_rope else latent,
         key_sin_ptr=key_sin.float().contiguous() if exact_rope else latent,
         gate_rows_ptr=gate_rows.to(dtype).contiguous() if gate_weight is not None else latent,
@@ -429,8 +452,7 @@ def decode_latent(
     _decode_latent_kernel[(batch_size * row_blocks, splits)](
         query_latent_ptr=query_latent.to(latent.dtype).reshape(batch_size, rows, rank).contiguous(),
         query_rope_ptr=query_rope.to(latent.dtype).reshape(batch_size, rows, rope_width).contiguous(),
-        latent_ptr=latent.contiguous(),
-        rope_key_ptr=rope_key.contiguous(),
+        **cache_rows(latent, rope_key),
         mask_ptr=mask.to(torch.int8).contiguous(),
         acc_ptr=acc,
         max_ptr=running_max,
