@@ -101,6 +101,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return ((x * cos) + (rotate_half(x) * sin)).view(batch_size, heads, seq_length, dim)
 
 
+def rotary_dims(config: EGMLAConfig, layer_idx: int) -> list[list[int]] | None:
+    indices = config.rope_frequency_indices
+    if indices is None and config.head_dim == config.qk_rope_head_dim:
+        return None
+    heads = indices[layer_idx] if indices is not None else [list(range(config.qk_rope_head_dim // 2))]
+    half = config.head_dim // 2
+    # Half-split layout: pair j of a head sits at dims j and j + dr/2, frequency f at dims f and f + F/2.
+    return [head + [index + half for index in head] for head in heads]
+
+
 def attention_scaling(config: EGMLAConfig) -> float:
     """1/sqrt(qk head dim), times DeepSeek's YaRN mscale^2 when `mscale_all_dim` is set."""
     scaling = config.qk_head_dim**-0.5
@@ -383,12 +393,16 @@ class EGMLAStaticCacheLayer(StaticLayer):
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
         shape = (self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim + self.v_head_dim)
         self.storage = key_states.new_zeros(shape)
-        self.keys, self.values = self.storage[..., : self.k_head_dim], self.storage[..., self.k_head_dim :]
+        self.view_storage()
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not torch.compiler.is_compiling():  # fixed addresses: a compiled step is not rebuilt per update
             for tensor in (self.storage, self.keys, self.values, self.cumulative_length):
                 torch._dynamo.mark_static_address(tensor)
         self.is_initialized = True
+
+    def view_storage(self) -> None:
+        """`keys` and `values` as views of the storage: its first r values per row, and the rest."""
+        self.keys, self.values = self.storage[..., : self.k_head_dim], self.storage[..., self.k_head_dim :]
 
     def cached_rows(self) -> torch.Tensor | None:
         """All L rows [latent ; rope key] [B, 1, L, r + Hr*dr] (the mask hides the unwritten ones); None while
@@ -398,12 +412,12 @@ class EGMLAStaticCacheLayer(StaticLayer):
     def offload(self) -> None:
         if self.is_initialized:  # the storage moves, and the views follow it
             self.storage = self.storage.to("cpu", non_blocking=True)
-            self.keys, self.values = self.storage[..., : self.k_head_dim], self.storage[..., self.k_head_dim :]
+            self.view_storage()
 
     def prefetch(self) -> None:
         if self.is_initialized and self.storage.device != self.device:
             self.storage = self.storage.to(self.device, non_blocking=True)
-            self.keys, self.values = self.storage[..., : self.k_head_dim], self.storage[..., self.k_head_dim :]
+            self.view_storage()
 
     def append_per_token(self, name: str, values: torch.Tensor) -> torch.Tensor:
         """Writes the new tokens' `name` values [B, S] into their slots; returns the whole row [B, L]."""
@@ -746,8 +760,8 @@ class EGMLAAttention(nn.Module):
         # By shape, not by the cache's length (a tensor in a static cache: comparing it would sync and break graphs).
         # Several new tokens without a mask are a prompt at offset 0 (a static cache's unwritten slots follow it):
         # SDPA's top-left causal mask over the expanded heads is exact there, the decode paths' bottom-right is not.
-        decoding = latent.shape[2] > seq_length and (seq_length == 1 or attention_mask is not None)
-        decoding = cache is not None and decoding and not self.training
+        decoding = cache is not None and not self.training and latent.shape[2] > seq_length
+        decoding = decoding and (seq_length == 1 or attention_mask is not None)
         weights = decode_weights(self, like=latent) if decoding else ()
         step = EGMLALatentDecode(
             LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, cached_rows, *weights
@@ -763,16 +777,6 @@ class EGMLAAttention(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # Decode paths: the attention algorithms over the latent, as functions of the layer and the step
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def rotary_dims(config: EGMLAConfig, layer_idx: int) -> list[list[int]] | None:
-    indices = config.rope_frequency_indices
-    if indices is None and config.head_dim == config.qk_rope_head_dim:
-        return None
-    heads = indices[layer_idx] if indices is not None else [list(range(config.qk_rope_head_dim // 2))]
-    half = config.head_dim // 2
-    # Half-split layout: pair j of a head sits at dims j and j + dr/2, frequency f at dims f and f + F/2.
-    return [head + [index + half for index in head] for head in heads]
 
 
 def decode_weights(module: "EGMLAAttention", like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

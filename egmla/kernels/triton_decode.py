@@ -81,8 +81,8 @@ def _positions(base, token, first, count, inside, BLOCK: tl.constexpr):
 @triton.jit
 def _decode_kv_kernel(
     query_ptr,  # [B, H, S, DN + DR]
-    latent_ptr,  # [B, T, R], rows `latent_strides` apart (a view of the cache's [latent ; rope key] rows)
-    rope_key_ptr,  # [B, T, HR * DR] (decoupled rope), rows `rope_strides` apart
+    latent_ptr,  # [B, T, R], rows `latent_row_stride` apart (a view of the cache's [latent ; rope key] rows)
+    rope_key_ptr,  # [B, T, HR * DR] (decoupled rope), rows `rope_row_stride` apart
     key_cos_ptr,  # [B, T, DR] (EXACT_ROPE: the rebuilt keys' rope dims turn with their positions)
     key_sin_ptr,  # [B, T, DR]
     gate_rows_ptr,  # [U, DE]
@@ -245,8 +245,8 @@ def _decode_kv_kernel(
 def _decode_latent_kernel(
     query_latent_ptr,  # [B, M, R], M = H * S rows (row = head * S + query)
     query_rope_ptr,  # [B, M, RW], RW = HR * DR
-    latent_ptr,  # [B, T, R], rows `latent_strides` apart (a view of the cache's [latent ; rope key] rows)
-    rope_key_ptr,  # [B, T, RW], rows `rope_strides` apart
+    latent_ptr,  # [B, T, R], rows `latent_row_stride` apart (a view of the cache's [latent ; rope key] rows)
+    rope_key_ptr,  # [B, T, RW], rows `rope_row_stride` apart
     mask_ptr,  # [B, S, T] int8
     acc_ptr,  # [B, M, SPLITS, R]
     max_ptr,  # [B, M, SPLITS]
