@@ -491,8 +491,12 @@ def test_default_source_is_the_smollm2_wheel_or_a_clear_install_hint(monkeypatch
         smollm2_gguf()
 
 
-@pytest.mark.parametrize("fit_gate", [True, False], ids=["fitted-gate", "identity-gate"])
-def test_layer_wise_reconstruction_lowers_the_block_errors_it_fits(fit_gate):
+@pytest.mark.parametrize(
+    ("fit_gate", "mixed_precision"),
+    [(True, "no"), (False, "no"), (True, "bf16")],
+    ids=["fitted-gate", "identity-gate", "fitted-gate-bf16"],
+)
+def test_layer_wise_reconstruction_lowers_the_block_errors_it_fits(fit_gate, mixed_precision):
     from egmla.conversion.reconstruction import ReconstructionSettings, reconstruct_layers
 
     teacher = tiny_llama()
@@ -503,7 +507,8 @@ def test_layer_wise_reconstruction_lowers_the_block_errors_it_fits(fit_gate):
     assert reconstruct_layers(student, teacher, blocks, ReconstructionSettings(steps=0)) == []
     assert all(torch.equal(before[name], tensor) for name, tensor in student.state_dict().items())
 
-    rows = reconstruct_layers(student, teacher, blocks, ReconstructionSettings(steps=30, fit_gate=fit_gate))
+    settings = ReconstructionSettings(steps=30, fit_gate=fit_gate, mixed_precision=mixed_precision)
+    rows = reconstruct_layers(student, teacher, blocks, settings)
     assert [row["layer"] for row in rows] == [0, 1]
     assert all(row["after"] <= row["before"] for row in rows) and any(
         row["after"] < 0.9 * row["before"] for row in rows
@@ -516,6 +521,8 @@ def test_layer_wise_reconstruction_lowers_the_block_errors_it_fits(fit_gate):
     assert all(parameter.requires_grad for parameter in student.parameters())
     with pytest.raises(ValueError, match="reconstruction steps must be >= 0"):
         ReconstructionSettings(steps=-1)
+    with pytest.raises(ValueError, match="mixed_precision must be one of"):
+        ReconstructionSettings(mixed_precision="fp16")
 
 
 @pytest.mark.parametrize("rope_split", ["exact", "shared"])

@@ -1,5 +1,6 @@
 """Recovery fine-tuning: distillation lowers the loss, LoRA merges, an interrupted run resumes identically."""
 
+import dataclasses
 import json
 
 import pytest
@@ -70,6 +71,38 @@ def test_five_steps_lower_the_distillation_loss(pair, lora):
     assert result.model.model.layers[0].self_attn.gate_embedding_proj.weight.abs().max() > 0
     assert not torch.equal(result.model.model.gate_embeddings[0].weight, tables_before)
     assert [entry["step"] for entry in result.history] == [1, 2, 3, 4, 5]
+
+
+def test_bf16_autocast_trains_and_hands_back_a_model_that_runs_in_fp32(pair, monkeypatch):
+    """Under bf16 autocast the loss falls as in fp32, and the model handed back carries no autocast wrapper: its
+    logits are those of a plain fp32 model with its weights. "auto" takes bf16 only where the device computes it."""
+    teacher, student, blocks = pair
+    settings = FinetuneSettings(
+        steps=5, batch_size=8, learning_rate=3e-3, warmup_steps=1, eval_every=0, ce_weight=0.5
+    )
+
+    def objective(model):  # what the settings train: KL to the teacher + 0.5 * next-token cross-entropy
+        with torch.no_grad():
+            out = model(blocks, labels=blocks)
+            return distillation_loss(out.logits, teacher(blocks).logits, 1.0) + 0.5 * out.loss
+
+    before = objective(student)
+    result = finetune(student, teacher, blocks, dataclasses.replace(settings, mixed_precision="bf16"))
+    assert objective(result.model) < before
+    plain = EGMLAForCausalLM(result.model.config).eval()
+    plain.load_state_dict(result.model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(result.model(blocks).logits, plain(blocks).logits)
+    assert all(parameter.dtype == torch.float32 for parameter in result.model.parameters())
+
+    cpu, wide, narrow = torch.device("cpu"), finetune_module.BF16_MIN_HIDDEN_SIZE, 64
+    monkeypatch.setattr(finetune_module, "native_bf16", lambda device: False)
+    assert not finetune_module.uses_bf16("auto", cpu, wide) and finetune_module.uses_bf16("bf16", cpu, narrow)
+    monkeypatch.setattr(finetune_module, "native_bf16", lambda device: True)
+    assert finetune_module.uses_bf16("auto", cpu, wide) and not finetune_module.uses_bf16("auto", cpu, narrow)
+    assert not finetune_module.uses_bf16("no", cpu, wide)
+    with pytest.raises(ValueError, match="mixed_precision must be one of"):
+        FinetuneSettings(mixed_precision="fp16")
 
 
 def test_an_interrupted_run_resumes_where_it_stopped(tmp_path, monkeypatch):

@@ -49,10 +49,13 @@ RETROFIT_DEFAULTS = {
     # Of 5e-5, 1e-4, 2e-4 and 6e-4, 1e-4 gave SmolLM2's 25-step recovery the lowest held-out perplexity (docs/results.md).
     "learning_rate": 1e-4,
     "max_minutes": 7.0,
+    "mixed_precision": "auto",
 }
 # `egmla convert` recovers on the calibration text when one is given (`--steps 0` turns it off): a decoupled rope
 # key loses what only training on text gives back, and a few minutes of it are most of the gain.
-CONVERT_DEFAULTS = {"steps": None, "batch_size": 4, "learning_rate": 2e-4, "max_minutes": 5.0}
+CONVERT_DEFAULTS = {
+    "steps": None, "batch_size": 4, "learning_rate": 2e-4, "max_minutes": 5.0, "mixed_precision": "auto"
+}
 
 
 @dataclass

@@ -18,6 +18,7 @@ from transformers import LlamaForCausalLM
 
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
 from ..options import check_choices, option
+from ..training import MIXED_PRECISIONS, uses_bf16
 from .calibration import source_layers
 
 GATE_INITS = ("least_squares", "identity")
@@ -41,6 +42,9 @@ class ReconstructionSettings:
     # 4-64 pseudo-positions gave results within 0.2%.
     gate_shrinkage: float = option(
         16.0, "pseudo-positions pulling a rare token's gate toward 1", flags=("--gate-shrinkage",)
+    )
+    mixed_precision: str = option(
+        "auto", "the layer-wise fit's forward passes under bfloat16 autocast (see --mixed-precision)", MIXED_PRECISIONS
     )
     seed: int = 0
 
@@ -96,6 +100,13 @@ def block_error(output: torch.Tensor, streams: LayerStreams, rows=slice(None)) -
     return (output - target).pow(2).sum() / (target - streams.teacher_in[rows]).pow(2).sum().clamp(min=1e-30)
 
 
+def fitting_autocast(settings: ReconstructionSettings, device: torch.device, hidden_size: int) -> torch.autocast:
+    """bf16 autocast for the fit's steps (`uses_bf16`); the errors that decide whether a fit is kept are computed
+    in full precision."""
+    enabled = uses_bf16(settings.mixed_precision, device, hidden_size)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
 def fit_layer(model, layer_idx: int, streams: LayerStreams, blocks, rotary, settings: ReconstructionSettings) -> dict:
     """Adam with cosine decay on one block; its error on all calibration blocks before and after."""
     parameters = block_parameters(model, layer_idx, settings.fit_gate)
@@ -113,10 +124,12 @@ def fit_layer(model, layer_idx: int, streams: LayerStreams, blocks, rotary, sett
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + layer_idx)
     for parameter in parameters:
         parameter.requires_grad_(True)
+    autocast = fitting_autocast(settings, streams.student_in.device, model.config.hidden_size)
     for _ in range(settings.steps):
         rows = torch.randint(0, len(blocks), (settings.batch_size,), generator=generator)
-        output = student_attention(model, layer_idx, streams.student_in[rows], blocks[rows], rotary)
-        loss = block_error(output, streams, rows)
+        with autocast:
+            output = student_attention(model, layer_idx, streams.student_in[rows], blocks[rows], rotary)
+        loss = block_error(output.float(), streams, rows)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
