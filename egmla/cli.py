@@ -95,6 +95,7 @@ def retrofit_command(args: argparse.Namespace) -> None:
         finetune=from_args(FinetuneSettings, args) if args.steps is None or args.steps > 0 else None,
         overwrite=args.overwrite,
         sample_prompt=args.prompt,
+        score_stages=args.score_stages,
         base_model=args.base_model,
         license=args.license,
     )
@@ -115,6 +116,7 @@ def convert_command(args: argparse.Namespace) -> None:
         reconstruction_settings(args),
         finetune=from_args(FinetuneSettings, args) if recovers else None,
         overwrite=args.overwrite,
+        score_stages=args.score_stages,
         base_model=args.base_model,
         license=args.license,
     )
@@ -194,6 +196,15 @@ def bench_command(args: argparse.Namespace) -> None:
     print(f"wrote {results / f'{args.panel}.json'}")
 
 
+def add_scoring_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--score-stages",
+        action="store_true",
+        help="score every fitting stage (zero-shot, layer-wise, fine-tuned) on the held-out documents, not only the "
+        "source and the saved model (each score is a pass over the documents: 2 minutes on SmolLM2 with 2 cores)",
+    )
+
+
 def add_card_options(parser: argparse.ArgumentParser, base_model: bool = True) -> None:
     """The model card's metadata where the source does not say it (or says it wrong)."""
     if base_model:
@@ -222,6 +233,7 @@ def add_retrofit(commands) -> None:
     retrofit.add_argument("--overwrite", action="store_true")
     retrofit.add_argument("--prompt", default="Once upon a time", help="prompt of the printed sample")
     add_card_options(retrofit)
+    add_scoring_option(retrofit)
     add_conversion_options(retrofit)
     add_reconstruction_options(retrofit)
     add_text_options(retrofit)
@@ -240,6 +252,7 @@ def add_convert(commands) -> None:
     convert.add_argument("--out", type=Path, default=None)
     convert.add_argument("--overwrite", action="store_true")
     add_card_options(convert)
+    add_scoring_option(convert)
     add_conversion_options(convert)
     add_reconstruction_options(convert)
     add_text_options(convert)

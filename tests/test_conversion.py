@@ -94,6 +94,7 @@ def test_the_default_split_is_absorbable_searched_reported_and_the_best_one_kept
     kept = [row for row in report["stages"] if row["kept"]]
     assert [row["stage"] for row in report["stages"]] == ["zero-shot", "layer-wise"]
     assert report["saved_stage"] == kept[-1]["stage"]
+    assert list(report["perplexity"]) == ["source", report["saved_stage"]]  # no --score-stages: the saved one only
     assert kept[-1]["selection_loss"] == min(row["selection_loss"] for row in report["stages"])
     printed = capsys.readouterr().out
     assert "decode ms/step at (8, 504)" in printed and "multiply-adds" in printed and "rebuilds" not in printed

@@ -179,9 +179,11 @@ def test_retrofit_end_to_end_on_stories260k(tmp_path):
             "16",
             "--eval-every",
             "0",
+            "--score-stages",
         ]
     )
     report = json.loads((out / "conversion_report.json").read_text())
+    assert list(report["perplexity"]) == ["source", "zero-shot", "layer-wise", "fine-tuned"]
     assert report["kv"] == {
         "source": 64.0,
         "converted": 32.0,

@@ -230,6 +230,8 @@ class ConversionJob:
     finetune: FinetuneSettings | None = None  # None: convert only
     overwrite: bool = False
     sample_prompt: str | None = None
+    # Held-out scores of every stage, not only of the source and the saved model (2 minutes a stage on SmolLM2).
+    score_stages: bool = False
     base_model: str | None = None  # the card's base model (a Hub id); None: the source's own, when it names one
     license: str | None = None  # the card's licence; None: the source's card, config or GGUF metadata, if any
 
@@ -251,21 +253,25 @@ def run_conversion(job: ConversionJob) -> dict:
     gate = []
     if job.reconstruction.gate_init == "least_squares":
         gate = fit_gate(student, teacher, calibration, plan, job.reconstruction.gate_shrinkage)
-    scores = score_documents({"source": teacher, "zero-shot": student}, text)
+    scores = score_documents({"source": teacher, **({"zero-shot": student} if job.score_stages else {})}, text)
     stages = StageSelection(text.selection)
     stages.consider("zero-shot", student)
     layers = reconstruct_layers(student, teacher, *layer_wise_inputs(calibration, text, job.reconstruction))
     if layers:
-        add_scores(scores, score_documents({"layer-wise": student}, text))
+        if job.score_stages:
+            add_scores(scores, score_documents({"layer-wise": student}, text))
         stages.consider("layer-wise", student)
     finetune_summary = None
     if job.finetune is not None:
         settings = recovery_settings(job.finetune, text)
         result = finetune(student, teacher, text.recovery, settings, text.held_out)
         student = result.model
-        add_scores(scores, score_documents({"fine-tuned": student}, text))
+        if job.score_stages:
+            add_scores(scores, score_documents({"fine-tuned": student}, text))
         stages.consider("fine-tuned", student)
         finetune_summary = {**result_summary(result), **public_settings(settings)}
+    if stages.saved_stage not in scores["perplexity"]:  # the saved model is always scored
+        add_scores(scores, score_documents({stages.saved_stage: student}, text))
 
     report = {
         "source": public_name(job.source),
