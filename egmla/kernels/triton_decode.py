@@ -143,7 +143,10 @@ def _decode_kv_kernel(
     # This head's slices of W^{UKV} (and W^{UE}) stay in fast memory for the whole split.
     w_base = kv_weight_ptr + h * (DK + DV) * R
     w_key = _tile(w_base, 0, DN, R, BLOCK_DN, BLOCK_R, UPCAST)
-    w_value = _tile(w_base, DK, DV, R, BLOCK_DV, BLOCK_R, UPCAST)
+    if ABSORB_VALUES:  # the values are the latents: W^{UV} is applied after the kernel
+        w_value = w_key  # placeholder (never read)
+    else:
+        w_value = _tile(w_base, DK, DV, R, BLOCK_DV, BLOCK_R, UPCAST)
     g_key, g_value = w_key, w_value  # placeholders when the gate is off (never read)
     if HAS_GATE:
         g_base = gate_weight_ptr + h * (DK + DV) * DE
