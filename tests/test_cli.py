@@ -82,3 +82,20 @@ def test_a_choice_outside_a_fields_choices_is_refused_by_name():
         options_of("--kv-cut", "0.5", "--rope-split", "per_head", "--rope-mode", "auto")
     with pytest.raises(SystemExit):  # argparse names the flag and its choices
         options_of("--kv-cut", "0.5", "--rope-split", "partial")
+
+
+@pytest.mark.parametrize(
+    ("flags", "minutes"),
+    [([], 4.5), (["--train-text", "T.txt"], 7.0), (["--max-minutes", "2"], 2.0)],
+    ids=["data-free", "text", "given"],
+)
+def test_retrofit_recovers_for_minutes_that_follow_its_text(monkeypatch, flags, minutes):
+    """`egmla retrofit` recovers 7 minutes on text, 4.5 data-free (where more steps did not help), or as told; the
+    fitting runs under bf16 autocast where it pays (`auto`)."""
+    import egmla.cli as cli
+
+    jobs = []
+    monkeypatch.setattr(cli, "run_conversion", jobs.append)
+    cli.main(["retrofit", "SRC.gguf", "--out", "OUT", *flags])
+    assert jobs[0].finetune.max_minutes == minutes and jobs[0].finetune.steps is None
+    assert jobs[0].finetune.mixed_precision == "auto" and jobs[0].reconstruction.mixed_precision == "auto"
