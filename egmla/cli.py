@@ -87,14 +87,18 @@ def conversion_options(args: argparse.Namespace) -> ConversionOptions:
 
 
 def retrofit_command(args: argparse.Namespace) -> None:
-    minutes = args.max_minutes or RETROFIT_MINUTES["text" if args.train_text else "data-free"]
+    minutes = args.max_minutes
+    if minutes is None:
+        minutes = RETROFIT_MINUTES["text" if args.train_text else "data-free"]
     job = ConversionJob(
         source=args.source or smollm2_gguf(),
         out=args.out,
         options=conversion_options(args),
         text=from_args(TextSettings, args),
         reconstruction=reconstruction_settings(args),
-        finetune=from_args(FinetuneSettings, args, max_minutes=minutes) if args.steps is None or args.steps > 0 else None,
+        finetune=from_args(FinetuneSettings, args, max_minutes=minutes)
+        if args.steps is None or args.steps > 0
+        else None,
         overwrite=args.overwrite,
         sample_prompt=args.prompt,
         score_stages=args.score_stages,

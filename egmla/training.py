@@ -74,6 +74,8 @@ class FinetuneSettings:
             raise ValueError("steps=None sizes the run to max_minutes: give max_minutes too.")
         if self.steps is not None and self.steps <= 0:
             raise ValueError(f"steps must be positive, got {self.steps}.")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"max_minutes must be positive (or None: no limit), got {self.max_minutes}.")
         if self.gradient_accumulation_steps <= 0:
             raise ValueError(f"gradient_accumulation_steps must be positive, got {self.gradient_accumulation_steps}.")
         if self.distill_weight <= 0 and self.ce_weight <= 0:
@@ -213,10 +215,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     schedule: CosineSchedule
     trainable: list[torch.nn.Parameter]
-    bf16: bool = False  # the forward passes under bfloat16 autocast
-
-    def autocast(self) -> torch.autocast:
-        return torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+    autocast: torch.autocast  # the forward passes' (bfloat16 where `uses_bf16`, else disabled)
 
 
 # Below this width autocast's casts cost more than bf16 saves: measured on a CPU with AVX512-BF16, stories260K
@@ -242,6 +241,12 @@ def uses_bf16(mixed_precision: str, device: torch.device, hidden_size: int) -> b
     return hidden_size >= BF16_MIN_HIDDEN_SIZE and native_bf16(device)
 
 
+def fitting_autocast(mixed_precision: str, device: torch.device, hidden_size: int) -> torch.autocast:
+    """The autocast a fitting's forward passes run under: bfloat16 where `uses_bf16` says so, else disabled."""
+    enabled = uses_bf16(mixed_precision, device, hidden_size)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
 def prepare_run(student: EGMLAForCausalLM, settings: FinetuneSettings) -> Run:
     """LoRA or the parameters to train, AdamW with warm-up and cosine decay, all prepared by accelerate."""
     # One scheduler step per optimizer step, however many processes (accelerate would step it once per process).
@@ -262,8 +267,8 @@ def prepare_run(student: EGMLAForCausalLM, settings: FinetuneSettings) -> Run:
     schedule = CosineSchedule(settings.warmup_steps, settings.steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    bf16 = uses_bf16(settings.mixed_precision, accelerator.device, student.config.hidden_size)
-    return Run(accelerator, model, optimizer, scheduler, schedule, trainable, bf16)
+    autocast = fitting_autocast(settings.mixed_precision, accelerator.device, student.config.hidden_size)
+    return Run(accelerator, model, optimizer, scheduler, schedule, trainable, autocast)
 
 
 def budgeted_steps(run: Run, teacher, blocks: torch.Tensor, settings: FinetuneSettings) -> int:
@@ -296,11 +301,11 @@ def step_loss(
         source = accelerator.process_index * micro_batches + micro
         batch = blocks[batch_indices(step, len(blocks), settings.batch_size, settings.seed, source)]
         batch = batch.to(accelerator.device)
-        with run.autocast():
+        with run.autocast:
             outputs = run.model(input_ids=batch, labels=batch if settings.ce_weight > 0 else None, use_cache=False)
         loss = torch.zeros((), device=accelerator.device)
         if settings.distill_weight > 0:
-            with torch.no_grad(), run.autocast():
+            with torch.no_grad(), run.autocast:
                 teacher_logits = teacher(batch, use_cache=False).logits
             loss = loss + settings.distill_weight * distillation_loss(
                 outputs.logits, teacher_logits, settings.temperature

@@ -99,3 +99,12 @@ def test_retrofit_recovers_for_minutes_that_follow_its_text(monkeypatch, flags, 
     cli.main(["retrofit", "SRC.gguf", "--out", "OUT", *flags])
     assert jobs[0].finetune.max_minutes == minutes and jobs[0].finetune.steps is None
     assert jobs[0].finetune.mixed_precision == "auto" and jobs[0].reconstruction.mixed_precision == "auto"
+
+
+def test_retrofit_refuses_a_recovery_of_no_minutes(monkeypatch):
+    """`--max-minutes 0` is an error naming the field, not the default's minutes in disguise."""
+    import egmla.cli as cli
+
+    monkeypatch.setattr(cli, "run_conversion", lambda job: None)
+    with pytest.raises(SystemExit, match="max_minutes must be positive"):
+        cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--max-minutes", "0"])

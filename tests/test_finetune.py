@@ -77,9 +77,7 @@ def test_bf16_autocast_trains_and_hands_back_a_model_that_runs_in_fp32(pair, mon
     """Under bf16 autocast the loss falls as in fp32, and the model handed back carries no autocast wrapper: its
     logits are those of a plain fp32 model with its weights. "auto" takes bf16 only where the device computes it."""
     teacher, student, blocks = pair
-    settings = FinetuneSettings(
-        steps=5, batch_size=8, learning_rate=3e-3, warmup_steps=1, eval_every=0, ce_weight=0.5
-    )
+    settings = FinetuneSettings(steps=5, batch_size=8, learning_rate=3e-3, warmup_steps=1, eval_every=0, ce_weight=0.5)
 
     def objective(model):  # what the settings train: KL to the teacher + 0.5 * next-token cross-entropy
         with torch.no_grad():

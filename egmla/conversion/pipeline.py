@@ -57,7 +57,11 @@ RETROFIT_MINUTES = {"text": 7.0, "data-free": 4.5}
 # `egmla convert` recovers on the calibration text when one is given (`--steps 0` turns it off): a decoupled rope
 # key loses what only training on text gives back, and a few minutes of it are most of the gain.
 CONVERT_DEFAULTS = {
-    "steps": None, "batch_size": 4, "learning_rate": 2e-4, "max_minutes": 5.0, "mixed_precision": "auto"
+    "steps": None,
+    "batch_size": 4,
+    "learning_rate": 2e-4,
+    "max_minutes": 5.0,
+    "mixed_precision": "auto",
 }
 
 

@@ -18,7 +18,7 @@ from transformers import LlamaForCausalLM
 
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
 from ..options import check_choices, option
-from ..training import MIXED_PRECISIONS, uses_bf16
+from ..training import MIXED_PRECISIONS, fitting_autocast
 from .calibration import source_layers
 
 GATE_INITS = ("least_squares", "identity")
@@ -100,13 +100,6 @@ def block_error(output: torch.Tensor, streams: LayerStreams, rows=slice(None)) -
     return (output - target).pow(2).sum() / (target - streams.teacher_in[rows]).pow(2).sum().clamp(min=1e-30)
 
 
-def fitting_autocast(settings: ReconstructionSettings, device: torch.device, hidden_size: int) -> torch.autocast:
-    """bf16 autocast for the fit's steps (`uses_bf16`); the errors that decide whether a fit is kept are computed
-    in full precision."""
-    enabled = uses_bf16(settings.mixed_precision, device, hidden_size)
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
-
-
 def fit_layer(model, layer_idx: int, streams: LayerStreams, blocks, rotary, settings: ReconstructionSettings) -> dict:
     """Adam with cosine decay on one block; its error on all calibration blocks before and after."""
     parameters = block_parameters(model, layer_idx, settings.fit_gate)
@@ -124,7 +117,8 @@ def fit_layer(model, layer_idx: int, streams: LayerStreams, blocks, rotary, sett
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + layer_idx)
     for parameter in parameters:
         parameter.requires_grad_(True)
-    autocast = fitting_autocast(settings, streams.student_in.device, model.config.hidden_size)
+    # Only the steps: the errors that decide whether a fit is kept are computed in full precision.
+    autocast = fitting_autocast(settings.mixed_precision, streams.student_in.device, model.config.hidden_size)
     for _ in range(settings.steps):
         rows = torch.randint(0, len(blocks), (settings.batch_size,), generator=generator)
         with autocast:
