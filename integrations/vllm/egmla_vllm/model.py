@@ -82,8 +82,9 @@ class EGMLAAttention(nn.Module):
     sits in its group's slot of an Hr * dr query (zeros elsewhere): the score is exact. Per-layer latent widths are
     zero-padded to the widest (W^{UKV} padded with zero columns): exact too.
     Gate on K/V, or the RoPE-exact latent: `RebuildingAttention`, whose cache row also holds the token id (gate on
-    K/V) and which rebuilds every cached key and value at every step (`rebuild`: gated, normed, and in "exact" mode
-    the rope dims turned by each cached position, which is its slot in the request).
+    K/V) and which rebuilds every cached key at every step (`rebuild`: gated, normed, and in "exact" mode the rope
+    dims turned by each cached position, which is its slot in the request), and every value only with the gate on
+    K/V (without it the weights sum the latents and W^{UV} follows once).
     """
 
     def __init__(self, config: EGMLAConfig, layer_idx: int, cache_config: CacheConfig | None, prefix: str,
@@ -154,7 +155,8 @@ class EGMLAAttention(nn.Module):
             attn_backend=latent_backend(self.latent_width, self.tail_width, rebuilds=not self.absorbs),
         )  # fmt: skip
         if not self.absorbs:
-            return RebuildingAttention(self.rebuild, **layer)
+            up_values = None if self.caches_token_ids else self.up_values
+            return RebuildingAttention(self.rebuild, up_values, **layer)
         return MLAAttention(**layer)
 
     def project_query(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -174,20 +176,26 @@ class EGMLAAttention(nn.Module):
         return nn.functional.pad(kv_latent, (0, self.latent_width - self.kv_lora_rank))
 
     def rebuild(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached rows [R, T, r + tail] of whole requests -> keys [R, T, H, dn + dr], values [R, T, H, dv], as egmla's
-        `expand_kv`: gated by 1 + W^{UE} E[id] and normed per head (gate on K/V), the rope dims rotated by each
-        cached position ("exact"), or the cached rope keys beside the rebuilt dims (decoupled)."""
+        """Cached rows [R, T, r + tail] of whole requests -> keys [R, T, H, dn + dr] and what the weights sum, as
+        egmla's `expand_kv`: the keys gated by 1 + W^{UE} E[id] and normed per head (gate on K/V), their rope dims
+        rotated by each cached position ("exact"), or the cached rope keys beside the rebuilt dims (decoupled). With
+        no gate on the values the weights sum the latents themselves [R, T, 1, r] (`up_values` applies W^{UV} once
+        after), else the rebuilt values [R, T, H, dv]."""
         requests, length, _ = rows.shape
         latent, tail = rows.split([self.latent_width, self.tail_width], dim=-1)
-        kv = self.kv_b_proj(latent.reshape(requests * length, -1))[0]
-        if self.caches_token_ids:
+        if self.caches_token_ids:  # the gate on K/V: keys and values rebuilt together
+            kv = self.kv_b_proj(latent.reshape(requests * length, -1))[0]
             digits = tail[..., self.rope_width : self.rope_width + self.id_digits].round().long()
             ids = (digits * 256 ** torch.arange(self.id_digits, device=rows.device)).sum(-1)  # padding rows: 0
             kv = kv * (1 + self.gate_embedding_proj(self.gate_table(ids.flatten()))[0])
             if self.gate_norm is not None:
                 kv = self.gate_norm(kv.view(requests * length * self.num_heads, -1))
-        kv = kv.view(requests, length, self.num_heads, -1)
-        key, value = kv.split([self.rebuilt_key_dim, self.value_dim], dim=-1)
+            key, value = kv.view(requests, length, self.num_heads, -1).split(
+                [self.rebuilt_key_dim, self.value_dim], dim=-1
+            )
+        else:  # only the keys: W^{UK} rows of W^{UKV}
+            key = torch.einsum("rtl,hkl->rthk", latent, self.up_weights()[0].to(latent.dtype))
+            value = latent[:, :, None]
         if self.exact_rope:  # a request's cached positions are 0 .. T-1, in its slots' order
             cos, sin = (
                 part[:, self.rope_dims[0]][None, :, None]
@@ -199,6 +207,15 @@ class EGMLAAttention(nn.Module):
         group = self.num_heads // self.rope_key_heads
         rope_key = rope_key.expand(-1, -1, -1, group, -1).reshape(requests, length, self.num_heads, self.rope_dim)
         return torch.cat([key, rope_key.to(key.dtype)], dim=-1), value
+
+    def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W^{UK} [H, dk, r] and W^{UV} [H, dv, r], views of W^{UKV} (at the cache's padded latent width)."""
+        weight = self.kv_b_proj.weight.view(self.num_heads, self.rebuilt_key_dim + self.value_dim, -1)
+        return weight.split([self.rebuilt_key_dim, self.value_dim], dim=1)
+
+    def up_values(self, attended: torch.Tensor) -> torch.Tensor:
+        """The weighted sums of latents [N, H, r] -> of values [N, H, dv], per head (exact: W^{UV} is linear)."""
+        return torch.einsum("nhr,hvr->nhv", attended, self.up_weights()[1].to(attended.dtype))
 
     def cache_tail(self, rope_key: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """What the cache row holds past the latent for the new tokens [T, 1, tail]: the rope keys, the token id
