@@ -121,7 +121,11 @@ class EGMLAConfig(PreTrainedConfig):
         hidden_size: width of the residual stream.
         intermediate_size: width of the SwiGLU MLP.
         num_hidden_layers: number of decoder layers.
-        num_attention_heads: number of query heads (keys and values are expanded to as many heads).
+        num_attention_heads: number of query heads.
+        num_key_value_heads: number of heads the up-projection `kv_b_proj` rebuilds keys and values for, each
+            shared by a group of `num_attention_heads // num_key_value_heads` query heads (GQA); `None` = one per
+            query head (DeepSeek). A Llama converted into a rebuilding form keeps its KV heads here, so the decode
+            rebuilds keys for them, not for every query head.
         q_lora_rank: rank of the low-rank query (`q_a_proj` -> norm -> `q_b_proj`); `None` = full-rank `q_proj`.
         kv_lora_rank: width of the cached latent `c_t`; a list gives each layer its own width.
         qk_nope_head_dim: per-head query/key dims without rotary embedding (may be 0).
@@ -168,6 +172,7 @@ class EGMLAConfig(PreTrainedConfig):
     intermediate_size: int = validated_field(positive, default=2048)
     num_hidden_layers: int = validated_field(positive, default=12)
     num_attention_heads: int = validated_field(positive, default=12)
+    num_key_value_heads: int | None = validated_field(positive_or_none, default=None)
     q_lora_rank: int | None = validated_field(positive_or_none, default=None)
     kv_lora_rank: int | list[int] = validated_field(positive_ranks, default=64)
     qk_nope_head_dim: int = validated_field(non_negative, default=64)
@@ -199,6 +204,8 @@ class EGMLAConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.layer_types is None:
             self.layer_types = [EGMLA_LAYER_TYPE] * self.num_hidden_layers
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
         # transformers' rope utilities size the rotary embedding from `head_dim` (as DeepSeek-V3 does).
         self.head_dim = self.rope_frequency_dim or self.qk_rope_head_dim
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -257,11 +264,15 @@ class EGMLAConfig(PreTrainedConfig):
         )
         if len(ranks) != self.num_hidden_layers:
             raise ValueError(f"`kv_lora_rank` lists {len(ranks)} ranks for {self.num_hidden_layers} layers.")
-        if self.num_attention_heads % self.rope_key_heads:
-            raise ValueError(
-                f"`rope_key_heads` ({self.rope_key_heads}) must divide `num_attention_heads` "
-                f"({self.num_attention_heads}): each rope key serves an equal group of query heads."
-            )
+        for name, heads, within in (
+            ("num_key_value_heads", self.num_key_value_heads, self.num_attention_heads),
+            ("rope_key_heads", self.rope_key_heads, self.num_key_value_heads),
+        ):
+            if within % heads:
+                raise ValueError(
+                    f"`{name}` ({heads}) must divide {within} (`num_attention_heads`, then `num_key_value_heads`): "
+                    "each key head, and each rope key, serves an equal group of query heads."
+                )
         if self.num_hidden_layers % self.gate_layers_per_table:
             raise ValueError(
                 f"`gate_layers_per_table` ({self.gate_layers_per_table}) must divide `num_hidden_layers` "

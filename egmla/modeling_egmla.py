@@ -534,7 +534,10 @@ def eager_attention_forward(
     dropout: float = 0.0,
     **kwargs: Unpack[TransformersKwargs],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain attention over already expanded heads: query/key [B, H, S|T, dn+dr], value [B, H, T, dv]."""
+    """Plain attention: query [B, H, S, dn+dr] over key [B, Hkv, T, dn+dr], value [B, Hkv, T, dv], each key head
+    serving `module.num_key_value_groups` query heads."""
+    key = key.repeat_interleave(module.num_key_value_groups, dim=1)
+    value = value.repeat_interleave(module.num_key_value_groups, dim=1)
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         attn_weights = attn_weights + attention_mask
@@ -621,8 +624,8 @@ class EGMLALatentDecode(NamedTuple):
     gate_rows: EGMLAGateRows | None  # for gate_position="kv": the gate-table rows of the context's T tokens
     key_rotary: tuple[torch.Tensor, torch.Tensor] | None  # "exact" rope: cos, sin [B, 1, T, dr] of cached positions
     cached_rows: torch.Tensor | None = None  # [B, 1, T, r + Hr*dr]: latent and rope key side by side, as cached
-    kv_weight: torch.Tensor | None = None  # decoding: W^{UKV} [H, dk+dv, r], the effective one under an adapter
-    gate_weight: torch.Tensor | None = None  # decoding with the gate on K/V: W^{UE} [H, dk+dv, de]
+    kv_weight: torch.Tensor | None = None  # decoding: W^{UKV} [Hkv, dk+dv, r], the effective one under an adapter
+    gate_weight: torch.Tensor | None = None  # decoding with the gate on K/V: W^{UE} [Hkv, dk+dv, de]
 
 
 class EGMLAAttention(nn.Module):
@@ -640,6 +643,7 @@ class EGMLAAttention(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads  # the heads kv_b_proj rebuilds keys and values for
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = config.layer_kv_lora_rank(layer_idx)
         self.qk_nope_head_dim = config.qk_nope_head_dim
@@ -661,7 +665,7 @@ class EGMLAAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.scaling = attention_scaling(config)
         self.is_causal = True
-        self.num_key_value_groups = 1  # keys and values reach the attention function expanded to every head
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads  # query heads per key head (GQA)
 
         if config.q_lora_rank is None:
             self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.qk_head_dim, bias=False)
@@ -675,7 +679,7 @@ class EGMLAAttention(nn.Module):
             EGMLARMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_latent_norm else None
         )
         self.kv_b_proj = nn.Linear(
-            self.kv_lora_rank, self.num_heads * (self.rebuilt_key_dim + self.v_head_dim), bias=False
+            self.kv_lora_rank, self.num_key_value_heads * (self.rebuilt_key_dim + self.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, config.hidden_size, bias=False)
 
@@ -686,7 +690,7 @@ class EGMLAAttention(nn.Module):
             gated_width = (
                 self.kv_lora_rank if self.gate_position == "latent" else self.rebuilt_key_dim + self.v_head_dim
             )
-            gate_out = gated_width if self.gate_position == "latent" else self.num_heads * gated_width
+            gate_out = gated_width if self.gate_position == "latent" else self.num_key_value_heads * gated_width
             self.gate_embedding_proj = EGMLAGateProjection(config.gate_embedding_dim, gate_out, bias=False)
             if config.gate_norm == "rms":
                 self.gate_norm = EGMLARMSNorm(gated_width, eps=config.rms_norm_eps)
@@ -710,9 +714,9 @@ class EGMLAAttention(nn.Module):
         return states * gate_block(1 + self.gate_embedding_proj(gate_rows.rows), gate_rows, 0, gate_rows.length)
 
     def kv_b_weight(self, like: torch.Tensor) -> torch.Tensor:
-        """W^{UKV} as [H, dk+dv, r] (dk = the key dims rebuilt from the latent)."""
+        """W^{UKV} as [Hkv, dk+dv, r] (dk = the key dims rebuilt from the latent)."""
         weight = linear_weight(self.kv_b_proj, self.kv_lora_rank, like)
-        return weight.view(self.num_heads, self.rebuilt_key_dim + self.v_head_dim, self.kv_lora_rank)
+        return weight.view(self.num_key_value_heads, self.rebuilt_key_dim + self.v_head_dim, self.kv_lora_rank)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -780,13 +784,14 @@ class EGMLAAttention(nn.Module):
 
 
 def decode_weights(module: "EGMLAAttention", like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What a decode path multiplies the cache by: W^{UKV} [H, dk+dv, r] and, with the gate on K/V, W^{UE}
-    [H, dk+dv, de] (views of the parameters; under an adapter or offload hook, their effective weights)."""
+    """What a decode path multiplies the cache by: W^{UKV} [Hkv, dk+dv, r] and, with the gate on K/V, W^{UE}
+    [Hkv, dk+dv, de] (views of the parameters; under an adapter or offload hook, their effective weights)."""
     kv_weight = module.kv_b_weight(like=like)
     gate = module.gate_embedding_proj if module.gate_position == "kv" else None
     if gate is None:
         return kv_weight, None
-    return kv_weight, linear_weight(gate, gate.in_features, like).view(module.num_heads, kv_weight.shape[1], -1)
+    gate_weight = linear_weight(gate, gate.in_features, like)
+    return kv_weight, gate_weight.view(module.num_key_value_heads, kv_weight.shape[1], -1)
 
 
 def expand_kv(
@@ -796,22 +801,22 @@ def expand_kv(
     gate_rows: EGMLAGateRows | None,
     key_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr] -> key [B, H, T, dn+dr], value [B, H, T, dv].
+    """latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr] -> key [B, Hkv, T, dn+dr], value [B, Hkv, T, dv].
 
     In "exact" mode the rope dims come from the latent too, rotated by `key_rotary` (cos, sin of every cached
     token's position, [B, 1, T, dr])."""
     batch_size, _, seq_length, _ = latent.shape
-    kv = module.kv_b_proj(latent[:, 0])  # [B, T, H*(dk+dv)], dk = rebuilt key dims; called: adapters act
+    kv = module.kv_b_proj(latent[:, 0])  # [B, T, Hkv*(dk+dv)], dk = rebuilt key dims; called: adapters act
     if module.gate_position == "kv" and module.gate_embedding_proj is not None:
         kv = kv * gate_block(1 + module.gate_embedding_proj(gate_rows.rows), gate_rows, 0, seq_length)
-    kv = kv.view(batch_size, seq_length, module.num_heads, module.rebuilt_key_dim + module.v_head_dim)
+    kv = kv.view(batch_size, seq_length, module.num_key_value_heads, module.rebuilt_key_dim + module.v_head_dim)
     if module.gate_position == "kv" and module.gate_norm is not None:
         kv = module.gate_norm(kv)
     key, value = kv.transpose(1, 2).split([module.rebuilt_key_dim, module.v_head_dim], dim=-1)
     if module.rope_mode == "exact":
         return rotate_key(module, key, key_rotary), value
     k_rope = rope_key.view(batch_size, seq_length, module.rope_key_heads, module.qk_rope_head_dim).transpose(1, 2)
-    k_rope = k_rope.repeat_interleave(module.num_heads // module.rope_key_heads, dim=1)  # [B, H, T, dr]
+    k_rope = k_rope.repeat_interleave(module.num_key_value_heads // module.rope_key_heads, dim=1)  # [B, Hkv, T, dr]
     return torch.cat([key, k_rope], dim=-1), value
 
 
@@ -873,8 +878,8 @@ def decode_attention(
 def absorbed_weights(
     module: "EGMLAAttention", like: torch.Tensor, weight: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """W^{UK} as [H, dn, r] and W^{UV} transposed as [H, r, dv], contiguous for the absorbed decode's batched
-    products, from W^{UKV} [H, dn+dv, r] (`weight`, the step's, else the layer's); made once per weight version and
+    """W^{UK} as [H, dn, r] and W^{UV} transposed as [H, r, dv] (per query head), contiguous for the absorbed
+    decode's batched products, from W^{UKV} [Hkv, dn+dv, r] (`weight`, the step's, else the layer's); made once per weight version and
     kept while no gradient flows (an adapter's effective weight, or a weight being trained, is made at every call)."""
     weight = module.kv_b_weight(like=like) if weight is None else weight
     parameter = plain_weight(module.kv_b_proj)  # an adapter's weight is made anew at each call: never kept
@@ -884,6 +889,7 @@ def absorbed_weights(
     cached = getattr(module, "_absorbed_weights", None)
     if key is not None and cached is not None and cached[0] == key:
         return cached[1]
+    weight = weight.repeat_interleave(module.num_key_value_groups, dim=0)  # [H, dn+dv, r]
     w_uk, w_uv = weight.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)
     weights = (w_uk.contiguous(), w_uv.transpose(1, 2).contiguous())
     if key is not None:
@@ -959,34 +965,41 @@ def blocked_attention(
 ) -> tuple[torch.Tensor, None]:
     """The re-expansion decode, DECODE_BLOCK cached positions at a time with an online softmax (flash-decoding
     in PyTorch): each block's expanded K/V is used while it is in fast memory, instead of the whole context
-    expanded into main memory and read back pass after pass (`egmla bench decode` measures it). Where no gate sits
-    on the values (RoPE-exact keys, the gate off or on the latent) only the keys are rebuilt: the weights sum the
-    cached latents, and W^{UV} is applied once after. New queries [B, H, S, .] over the cache; returns
+    expanded into main memory and read back pass after pass (`egmla bench decode` measures it). Keys are rebuilt
+    once per key head (`num_key_value_heads`), its group of query heads attending as rows of one product. Where no
+    gate sits on the values (RoPE-exact keys, the gate off or on the latent) only the keys are rebuilt: the weights
+    sum the cached latents, and W^{UV} is applied once after. New queries [B, H, S, .] over the cache; returns
     [B, S, H, dv]."""
     q_nope, q_rope, latent, rope_key, gate_rows, key_rotary = step[1:7]
     batch_size, heads, query_length, _ = q_nope.shape
-    key_length = latent.shape[2]
-    gate = None  # [U, H*(dk+dv)], once per distinct token; with a row per position, computed block by block
+    key_heads, key_length = module.num_key_value_heads, latent.shape[2]
+    gate = None  # [U, Hkv*(dk+dv)], once per distinct token; with a row per position, computed block by block
     if module.gate_position == "kv" and module.gate_embedding_proj is not None and gate_rows.index is not None:
         gate = 1 + module.gate_embedding_proj(gate_rows.rows)
-    rope_scores = None  # decoupled rope keys are cached as used: their scores [B, H, S, T] in one product
+    rope_scores = None  # decoupled rope keys are cached as used: their scores [B, Hkv, M, T] in one product
     if module.rope_mode == "decoupled":
-        rope_scores = rope_key_scores(module, q_rope, rope_key)
+        rope_scores = key_head_rows(rope_key_scores(module, q_rope, rope_key), key_heads)
     fold_norm = folds_gate_norm(module, decoupled=rope_scores is not None)
     if fold_norm:
         key_weight, value_weight = module.gate_norm.weight.split([module.rebuilt_key_dim, module.v_head_dim])
         q_nope = q_nope * key_weight
     query = torch.cat([q_nope, q_rope], dim=-1) if rope_scores is None else q_nope
-    kv_weight = step.kv_weight  # [H, dk+dv, r]
+    query = key_head_rows(query, key_heads)  # [B, Hkv, M, .], M = the group's heads x S rows
+    kv_weight = step.kv_weight  # [Hkv, dk+dv, r]
     absorbs_values = module.gate_position != "kv" or module.gate_embedding_proj is None
     if absorbs_values:
         kv_weight, up_value = kv_weight.split([module.rebuilt_key_dim, module.v_head_dim], dim=1)
     if attention_mask is None and query_length > 1:
         attention_mask = causal_mask(query_length, key_length, latent.device)
-    running_max = q_nope.new_full((batch_size, heads, query_length, 1), float("-inf"), dtype=torch.float32)
+    if attention_mask is not None:  # [.., S, T] -> [.., M, T]: the same mask for every head of a group
+        group = heads // key_heads
+        attention_mask = attention_mask.unsqueeze(-3).expand(*attention_mask.shape[:-2], group, query_length, -1)
+        attention_mask = attention_mask.flatten(-3, -2)
+    rows = query.shape[2]
+    running_max = q_nope.new_full((batch_size, key_heads, rows, 1), float("-inf"), dtype=torch.float32)
     running_sum = torch.zeros_like(running_max)
     width = module.kv_lora_rank if absorbs_values else module.v_head_dim  # of what the weights sum
-    output = q_nope.new_zeros(batch_size, heads, query_length, width, dtype=torch.float32)
+    output = q_nope.new_zeros(batch_size, key_heads, rows, width, dtype=torch.float32)
     for start in range(0, key_length, DECODE_BLOCK):
         end = min(start + DECODE_BLOCK, key_length)
         block_gate = gate_of_block(module, gate, gate_rows, start, end)
@@ -995,14 +1008,15 @@ def blocked_attention(
             key, value = kv, latent[:, :, start:end]
         else:
             key, value = kv.split([module.rebuilt_key_dim, module.v_head_dim], dim=-1)
-        norm_scale = gate_norm_scale(module, kv).unsqueeze(2) if fold_norm else 1.0  # [B, H, 1, t]
+        norm_scale = gate_norm_scale(module, kv).unsqueeze(2) if fold_norm else 1.0  # [B, Hkv, 1, t]
         if rope_scores is None:  # "exact" rope: the rebuilt rope dims turn with each cached position
             rotary = tuple(part[:, :, start:end] for part in key_rotary)
             scores = torch.matmul(query, rotate_key(module, key, rotary).mT)
         else:
             scores = torch.matmul(query, key.mT) * norm_scale + rope_scores[..., start:end]
-        mask = attention_mask[..., start:end] if attention_mask is not None else None
-        scores = mask_scores(scores.float() * module.scaling, mask)
+        scores = scores.float() * module.scaling
+        if attention_mask is not None:  # (None: one new token, which sees every cached one)
+            scores = mask_scores(scores, attention_mask[..., start:end])
         block_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
         # A row masked out so far keeps -inf as its maximum: its rescale is 1 and its weights 0, not NaN.
         safe_max = block_max.masked_fill(torch.isinf(block_max), 0.0)
@@ -1015,9 +1029,16 @@ def blocked_attention(
     output = output / running_sum
     if fold_norm:
         output = output * value_weight
-    if absorbs_values:  # [B, H, S, r] -> [B, H, S, dv], per head
-        output = torch.einsum("bhsr,hvr->bhsv", output, up_value.float())
+    if absorbs_values:  # [B, Hkv, M, r] -> [B, Hkv, M, dv], per key head
+        output = torch.einsum("bgmr,gvr->bgmv", output, up_value.float())
+    output = output.reshape(batch_size, heads, query_length, -1)  # the rows back to their query heads
     return output.to(q_nope.dtype).transpose(1, 2), None
+
+
+def key_head_rows(states: torch.Tensor, key_heads: int) -> torch.Tensor:
+    """[B, H, S, D] -> [B, Hkv, (H / Hkv) * S, D]: each key head's group of query heads as rows of one product."""
+    batch_size, heads, query_length, width = states.shape
+    return states.reshape(batch_size, key_heads, heads // key_heads * query_length, width)
 
 
 def folds_gate_norm(module: "EGMLAAttention", decoupled: bool) -> bool:
@@ -1032,7 +1053,7 @@ def folds_gate_norm(module: "EGMLAAttention", decoupled: bool) -> bool:
 def gate_of_block(
     module: "EGMLAAttention", gate: torch.Tensor | None, gate_rows: EGMLAGateRows | None, start: int, end: int
 ) -> torch.Tensor | None:
-    """The gate on K/V [B, t, H*(dk+dv)] of cached positions start..end (None with no gate on K/V)."""
+    """The gate on K/V [B, t, Hkv*(dk+dv)] of cached positions start..end (None with no gate on K/V)."""
     if gate is not None:
         return gate_block(gate, gate_rows, start, end)
     if module.gate_position != "kv" or module.gate_embedding_proj is None:
@@ -1048,19 +1069,19 @@ def rebuild_block(
     kv_weight: torch.Tensor,
     normed: bool = True,
 ) -> torch.Tensor:
-    """latent [B, 1, t, r] and its gate [B, t, H*(dk+dv)] -> the rebuilt key dims and values [B, H, t, dk+dv],
-    gated (and normed), made per head by one product with W^{UKV} [H, dk+dv, r] (no transpose copy after)."""
+    """latent [B, 1, t, r] and its gate [B, t, Hkv*(dk+dv)] -> the rebuilt key dims and values [B, Hkv, t, dk+dv],
+    gated (and normed), made per key head by one product with W^{UKV} [Hkv, dk+dv, r] (no transpose copy after)."""
     batch_size, _, seq_length, _ = latent.shape
     kv = torch.einsum("btr,hcr->bhtc", latent[:, 0], kv_weight)
     if gate is not None:
-        kv = kv * gate.view(batch_size, seq_length, module.num_heads, -1).transpose(1, 2)
+        kv = kv * gate.view(batch_size, seq_length, module.num_key_value_heads, -1).transpose(1, 2)
     if normed and module.gate_position == "kv" and module.gate_norm is not None:
         kv = module.gate_norm(kv)
     return kv
 
 
 def gate_norm_scale(module: "EGMLAAttention", kv: torch.Tensor) -> torch.Tensor:
-    """The gate norm's scale 1 / rms [B, H, t] of each position's gated K/V [B, H, t, dk+dv], in float32."""
+    """The gate norm's scale 1 / rms [B, Hkv, t] of each position's gated K/V [B, Hkv, t, dk+dv], in float32."""
     mean_square = torch.linalg.vector_norm(kv.float(), dim=-1).square() / kv.shape[-1]  # one pass, no kv**2
     return torch.rsqrt(mean_square + module.gate_norm.variance_epsilon)
 
@@ -1068,7 +1089,7 @@ def gate_norm_scale(module: "EGMLAAttention", kv: torch.Tensor) -> torch.Tensor:
 def rotate_key(
     module: "EGMLAAttention", key: torch.Tensor, key_rotary: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
-    """ "exact" rope: the rebuilt keys [B, H, t, dn+dr] with their rope dims turned by cos, sin [B, 1, t, dr]."""
+    """ "exact" rope: the rebuilt keys [B, Hkv, t, dn+dr] with their rope dims turned by cos, sin [B, 1, t, dr]."""
     k_nope, k_rope = key.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
     return torch.cat([k_nope, apply_rotary(k_rope, *key_rotary)], dim=-1)
 

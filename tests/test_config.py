@@ -10,6 +10,9 @@ from tests.utils import tiny_config
     [
         ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
         ({"num_attention_heads": 4, "rope_key_heads": 3}, "rope_key_heads"),
+        ({"num_attention_heads": 4, "num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"num_attention_heads": 4, "num_key_value_heads": 2, "rope_key_heads": 4}, "rope_key_heads"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads"),
         ({"num_hidden_layers": 3, "gate_layers_per_table": 2}, "gate_layers_per_table"),
         ({"gate_position": "values"}, "gate_position"),
         ({"gate_norm": "layer"}, "gate_norm"),

@@ -121,7 +121,7 @@ def rope_query_slots(module: torch.nn.Module, q_rope: torch.Tensor) -> torch.Ten
 def kv_step(module: torch.nn.Module, call, mask: torch.Tensor, backend: str) -> torch.Tensor:
     """A step that rebuilds every cached key and value (gate on K/V, or "exact" rope): [B, S, H, dv]."""
     latent = call.latent[:, 0]
-    gate_weight = call.gate_weight  # [H, dk+dv, de], None unless the gate is on K/V
+    gate_weight = call.gate_weight  # [Hkv, dk+dv, de], None unless the gate is on K/V
     norm = module.gate_norm if module.gate_position == "kv" else None  # a gated latent was normed before caching
     key_cos, key_sin = (call.key_rotary[0][:, 0], call.key_rotary[1][:, 0]) if call.key_rotary else (None, None)
     inputs = KVDecodeInputs(
@@ -153,7 +153,8 @@ def run_step(module: torch.nn.Module, call, mask: torch.Tensor, backend: str) ->
         return kv_step(module, call, mask, backend)
     # Gate off or on the latent, decoupled rope: the absorbed MQA; fold W^{UK} into the query.
     latent, rope_key = call.latent[:, 0], call.rope_key[:, 0]
-    w_uk, w_uv = call.kv_weight.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)
+    weight = call.kv_weight.repeat_interleave(module.num_key_value_groups, dim=0)  # per query head
+    w_uk, w_uv = weight.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)
     query_latent = torch.einsum("bhsd,hdr->bhsr", call.q_nope, w_uk)
     inputs = LatentDecodeInputs(query_latent, rope_query_slots(module, call.q_rope), latent, rope_key, mask)
     out_latent = kernel(backend, "decode_latent")(inputs, module.scaling)  # [B, H, S, r]

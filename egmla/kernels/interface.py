@@ -22,8 +22,9 @@ class KVDecodeInputs(NamedTuple):
 class KVDecodeWeights(NamedTuple):
     """What the layer contributes: its weights and settings."""
 
-    kv_weight: torch.Tensor  # W^{UKV} [H, dk+dv, r], dk = dn (decoupled rope) or dn+dr ("exact")
-    gate_weight: torch.Tensor | None  # W^{UE} [H, dk+dv, de]
+    # Per key head, each serving H / Hkv query heads (`num_key_value_heads`):
+    kv_weight: torch.Tensor  # W^{UKV} [Hkv, dk+dv, r], dk = dn (decoupled rope) or dn+dr ("exact")
+    gate_weight: torch.Tensor | None  # W^{UE} [Hkv, dk+dv, de]
     norm_weight: torch.Tensor | None  # gate norm [dk+dv]
     norm_eps: float
     scaling: float

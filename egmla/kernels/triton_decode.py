@@ -87,8 +87,8 @@ def _decode_kv_kernel(
     key_sin_ptr,  # [B, T, DR]
     gate_rows_ptr,  # [U, DE]
     gate_index_ptr,  # [B, T] the row of each position (GATE_INDEXED), else rows are per position
-    kv_weight_ptr,  # [H, DK + DV, R], DK = DN (decoupled rope) or DN + DR (EXACT_ROPE)
-    gate_weight_ptr,  # [H, DK + DV, DE]
+    kv_weight_ptr,  # [HKV, DK + DV, R], DK = DN (decoupled rope) or DN + DR (EXACT_ROPE)
+    gate_weight_ptr,  # [HKV, DK + DV, DE]
     norm_weight_ptr,  # [DK + DV]
     mask_ptr,  # [B, S, T] int8
     acc_ptr,  # [B, H, S, SPLITS, DO]: DO = R (ABSORB_VALUES: the weighted sum of latents) or DV
@@ -100,6 +100,7 @@ def _decode_kv_kernel(
     rope_row_stride,
     key_length,
     heads,
+    group,  # query heads per key head: H / HKV
     query_length,
     splits,
     split_size,
@@ -141,7 +142,7 @@ def _decode_kv_kernel(
     de = tl.arange(0, BLOCK_DE)
     q_nope = _vector(query_ptr + row * (DN + DR), 0, DN, BLOCK_DN)
     # This head's slices of W^{UKV} (and W^{UE}) stay in fast memory for the whole split.
-    w_base = kv_weight_ptr + h * (DK + DV) * R
+    w_base = kv_weight_ptr + (h // group) * (DK + DV) * R
     w_key = _tile(w_base, 0, DN, R, BLOCK_DN, BLOCK_R, UPCAST)
     if ABSORB_VALUES:  # the values are the latents: W^{UV} is applied after the kernel
         w_value = w_key  # placeholder (never read)
@@ -149,7 +150,7 @@ def _decode_kv_kernel(
         w_value = _tile(w_base, DK, DV, R, BLOCK_DV, BLOCK_R, UPCAST)
     g_key, g_value = w_key, w_value  # placeholders when the gate is off (never read)
     if HAS_GATE:
-        g_base = gate_weight_ptr + h * (DK + DV) * DE
+        g_base = gate_weight_ptr + (h // group) * (DK + DV) * DE
         g_key = _tile(g_base, 0, DN, DE, BLOCK_DN, BLOCK_DE, UPCAST)
         g_value = _tile(g_base, DK, DV, DE, BLOCK_DV, BLOCK_DE, UPCAST)
     if HAS_NORM:
@@ -398,6 +399,7 @@ def decode_kv(
         sum_ptr=running_sum,
         key_length=key_length,
         heads=heads,
+        group=heads // kv_weight.shape[0],
         query_length=query_length,
         splits=splits,
         split_size=split_size,
@@ -428,7 +430,8 @@ def decode_kv(
     )
     result = merge_splits(acc, running_max, running_sum).view(batch_size, heads, query_length, out_dim)
     if absorb_values:  # W^{UV} per head, once per query instead of once per cached position
-        result = torch.einsum("bhsr,hvr->bhsv", result, kv_weight[:, -value_dim:].float())
+        up_value = kv_weight[:, -value_dim:].float().repeat_interleave(heads // kv_weight.shape[0], dim=0)
+        result = torch.einsum("bhsr,hvr->bhsv", result, up_value)
     result = result.transpose(1, 2).to(query.dtype)
     return result if out is None else out.copy_(result)
 
