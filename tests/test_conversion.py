@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from egmla import EGMLACache
 from egmla.cli import main
 from egmla.conversion import (
     ConversionOptions,
@@ -24,7 +25,15 @@ from egmla.conversion.pipeline import StageSelection
 from egmla.conversion.reconstruction import ReconstructionSettings
 from egmla.conversion.rope import rotation_variance
 from egmla.text import perplexity, read_documents, split_documents, token_blocks
-from tests.utils import STORIES260K, TINYSTORIES, assert_same_model, folder_digest, needs_shared, tiny_llama
+from tests.utils import (
+    STORIES260K,
+    TINYSTORIES,
+    assert_same_model,
+    folder_digest,
+    incremental_logits,
+    needs_shared,
+    tiny_llama,
+)
 
 
 @pytest.fixture(scope="module")
@@ -127,12 +136,17 @@ def test_exact_rope_mode_at_full_rank_reproduces_stories260k(stories):
 def test_exact_rope_mode_at_full_rank_reproduces_a_random_gqa_llama(rope_parameters):
     teacher = tiny_llama(rope_parameters)
     calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
-    # GQA: 2 KV heads x (16 key + 16 value) rows = 64 = hidden: full rank; K/V reach every query head.
+    # GQA: 2 KV heads x (16 key + 16 value) rows = 64 = hidden: full rank; K/V rebuilt once per KV head.
     options = ConversionOptions(kv_lora_rank=64, rope_split="exact", gate_embedding_dim=8)
     student = convert_llama_to_egmla(teacher, options, calibration)
-    assert student.model.layers[0].self_attn.kv_b_proj.out_features == 8 * (16 + 16)
+    assert student.config.num_key_value_heads == 2
+    assert student.model.layers[0].self_attn.kv_b_proj.out_features == 2 * (16 + 16)
     input_ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(1))  # past the original 32
     assert_same_model(student, teacher, input_ids)
+    with torch.no_grad():  # and its decode, the keys rebuilt per KV head, continues the uncached forward
+        expected = student(input_ids[:, :40], use_cache=False).logits
+        cached = incremental_logits(student, input_ids[:, :40], prefill=30, cache=EGMLACache(student.config))
+    torch.testing.assert_close(cached, expected, rtol=0, atol=1e-4)
 
 
 def test_exact_rope_mode_beats_the_decoupled_rope_key_at_a_50_percent_cut_on_stories260k(stories):

@@ -214,6 +214,12 @@ def factorize_layer(
     return split, factorize(stacked, covariance, options.damping, weights)
 
 
+def rebuilds(options: "ConversionOptions") -> bool:
+    """Whether the converted model decodes by rebuilding keys from the latent (RoPE-exact keys, or the gate on K/V)
+    rather than by the absorbed MQA."""
+    return options.rope_mode == "exact" or (options.gate_position == "kv" and options.gate_embedding_dim > 0)
+
+
 def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConfig:
     """The EG-MLA config of the converted model: the source's dims, the budget's cache, the gate at the identity."""
     config, options, budget = teacher.config, plan.options, plan.budget
@@ -223,6 +229,9 @@ def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConf
         intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
+        # The rebuilding forms rebuild keys (and values) once per source KV head; the absorbed MQA never rebuilds,
+        # and keeps W^{UKV} per query head, free to part in the fitting.
+        num_key_value_heads=config.num_key_value_heads if rebuilds(options) else None,
         q_lora_rank=None,
         kv_lora_rank=plan.ranks if options.rank_allocation == "energy" else budget.kv_lora_rank,
         qk_nope_head_dim=budget.nope_dim,
@@ -272,7 +281,9 @@ def attention_state(
         ]
         state[prefix + "q_proj.weight"] = torch.cat(queries).float()
         state[prefix + "kv_a_proj_with_mqa.weight"] = torch.cat([down, split.rope_key]).float()
-        state[prefix + "kv_b_proj.weight"] = torch.cat([up[h // group] for h in range(query_heads)]).float()
+        per_key_head = config.num_key_value_heads == key_heads
+        heads = up.unbind() if per_key_head else [up[h // group] for h in range(query_heads)]
+        state[prefix + "kv_b_proj.weight"] = torch.cat(heads).float()
         state[prefix + "o_proj.weight"] = layer.self_attn.o_proj.weight
     return state
 

@@ -42,10 +42,14 @@ def egmla_cost(config: EGMLAConfig) -> DecodeCost:
     if config.absorbs:
         return DecodeCost("absorbed", values, heads * (rank + rope_dims + rank))
     rebuilt_key = config.qk_nope_head_dim + (config.qk_rope_head_dim if config.rope_mode == "exact" else 0)
-    attention = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
-    rebuild = rank * heads * (rebuilt_key + config.v_head_dim)
-    if config.gate_enabled and config.gate_position == "kv":  # the gate of every cached token, made again
-        rebuild += config.gate_embedding_dim * heads * (rebuilt_key + config.v_head_dim)
+    key_heads = config.num_key_value_heads  # keys are rebuilt once per key head
+    if config.gate_enabled and config.gate_position == "kv":  # the values too, and the gate of every cached token
+        rebuilt = key_heads * (rebuilt_key + config.v_head_dim)
+        rebuild = (rank + config.gate_embedding_dim) * rebuilt
+        attention = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+    else:  # only keys: the weights sum the latents, W^{UV} is applied once per query, not per cached token
+        rebuild = rank * key_heads * rebuilt_key
+        attention = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + rank)
     return DecodeCost("rebuilt", values, rebuild + attention)
 
 
@@ -65,7 +69,8 @@ def rebuild_warning(config: EGMLAConfig, source_config) -> str | None:
         return None
     why = "rope_mode='exact'" if config.rope_mode == "exact" else "the gate on K/V (gate_position='kv')"
     return (
-        f"note: {why} rebuilds every cached key and value for every query head at every decode step: "
+        f"note: {why} rebuilds every cached key{' and value' if config.caches_token_ids else ''} at every "
+        f"decode step, for each of its {config.num_key_value_heads} key heads: "
         f"{cost.multiply_adds_per_token_per_layer:,.0f} multiply-adds per cached token per layer against the "
         f"source's {source.multiply_adds_per_token_per_layer:,.0f}, so it decodes slower than its source; the "
         "absorbed default (decoupled rope key, gate on the latent or off) does not."

@@ -98,7 +98,7 @@ def fit_gate(
     config = student.config
     if not config.gate_enabled or config.gate_position != "kv":
         return []
-    group = config.num_attention_heads // teacher.config.num_key_value_heads
+    group = config.num_key_value_heads // teacher.config.num_key_value_heads
     tokens, index = torch.unique(blocks.flatten(), return_inverse=True)
     counts = torch.bincount(index, minlength=len(tokens))
     pending, rows = [], []
@@ -108,7 +108,7 @@ def fit_gate(
     ):
         stacked = stacked_rows(split, source_values(layer.self_attn))
         target_rows = stacked.float().view(teacher.config.num_key_value_heads, -1, stacked.shape[1])
-        target_rows = target_rows.repeat_interleave(group, dim=0).flatten(0, 1)  # per query head, as kv_b_proj
+        target_rows = target_rows.repeat_interleave(group, dim=0).flatten(0, 1)  # per student key head
         attention = student.model.layers[layer_idx].self_attn
         with torch.no_grad():
             sums = gate_statistics(attention, inputs.normed.flatten(0, 1), target_rows, index, len(tokens))
