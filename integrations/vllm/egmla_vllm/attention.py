@@ -130,7 +130,8 @@ class RebuildingAttention(MLAAttention):
     """vLLM's MLA layer for what the absorbed decode cannot express, the gate on K/V and the RoPE-exact latent: the
     paged cache row is `[latent ; tail]` (the tail: the rope keys, and the token id as base-256 digits, exact in any
     float dtype, where the gate on K/V needs it), and every step rebuilds each request's keys from its whole cache
-    (`rebuild`, the model's: rows [R, T, width] -> keys [R, T, H, dq], and values [R, T, H, dv] with the gate on K/V;
+    (`rebuild`, the model's: rows [R, T, width] -> keys [R, T, Hkv, dq], one per key head, and values [R, T, Hkv, dv]
+    with the gate on K/V;
     without it the latents [R, T, 1, r], summed by the weights and taken to values once after by `up_values`).
 
     The cache write, its spec (one row per token per layer) and the block tables are vLLM's; only the attention
@@ -166,10 +167,14 @@ class RebuildingAttention(MLAAttention):
             seq_lens[:, None, None] - query_lens + torch.arange(padded.shape[1], device=rows.device)[None, :, None]
         )
         mask = (positions <= new_positions) & (positions < seq_lens[:, None, None])  # [R, S, T]
-        value = value.expand(-1, -1, key.shape[2], -1)  # the latents: one for every head, not copied
+        value = value.expand(-1, -1, key.shape[2], -1)  # the latents: one for every key head, not copied
         attended = torch.nn.functional.scaled_dot_product_attention(
-            padded.transpose(1, 2).to(key.dtype), key.transpose(1, 2), value.transpose(1, 2),
-            attn_mask=mask[:, None], scale=self.scale,
-        )  # fmt: skip
+            padded.transpose(1, 2).to(key.dtype),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attn_mask=mask[:, None],
+            scale=self.scale,
+            enable_gqa=key.shape[2] != padded.shape[2],
+        )  # fmt: skip  (each key head serves a group of query heads)
         attended = attended.transpose(1, 2)[request, place]  # [N, H, dv], or [N, H, r] to take to values
         return attended if self.up_values is None else self.up_values(attended)

@@ -25,6 +25,7 @@ class EGMLAConfig(PreTrainedConfig):
     intermediate_size: int = 2048
     num_hidden_layers: int = 12
     num_attention_heads: int = 12
+    num_key_value_heads: int | None = None
     q_lora_rank: int | None = None
     kv_lora_rank: int | list[int] = 64
     qk_nope_head_dim: int = 64
@@ -56,6 +57,8 @@ class EGMLAConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         # transformers' rope utilities size the rotary embedding from `head_dim` (as in egmla).
         self.head_dim = self.rope_frequency_dim or self.qk_rope_head_dim
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         super().__post_init__(**kwargs)
 

@@ -91,6 +91,9 @@ class EGMLAAttention(nn.Module):
                  gate_table: nn.Embedding | None = None, rotary: "EGMLARotary | None" = None):  # fmt: skip
         super().__init__()
         self.num_heads = config.num_attention_heads
+        # The heads W^{UKV} rebuilds keys (and values) for; vLLM's absorbed MLA takes it per query head (the loader
+        # repeats a key head's rows for its group).
+        self.key_heads = config.num_key_value_heads if not config.absorbs else config.num_attention_heads
         self.nope_dim, self.rope_dim, self.value_dim = (
             config.qk_nope_head_dim,
             config.qk_rope_head_dim,
@@ -129,14 +132,14 @@ class EGMLAAttention(nn.Module):
         kv_width = self.rebuilt_key_dim + self.value_dim
         # Built at the padded width: the loader pads the checkpoint's [H*(dn+dv), r] with zero columns.
         self.kv_b_proj = ReplicatedLinear(
-            self.latent_width, self.num_heads * kv_width, bias=False, prefix=f"{prefix}.kv_b_proj"
+            self.latent_width, self.key_heads * kv_width, bias=False, prefix=f"{prefix}.kv_b_proj"
         )
         self.o_proj = ReplicatedLinear(
             self.num_heads * self.value_dim, config.hidden_size, bias=False, prefix=f"{prefix}.o_proj"
         )
         self.gate_embedding_proj = self.gate_norm = None
         if config.gate_enabled:  # W^{UE} onto the latent, or onto every head's keys and values
-            gated_width = self.num_heads * kv_width if self.caches_token_ids else self.kv_lora_rank
+            gated_width = self.key_heads * kv_width if self.caches_token_ids else self.kv_lora_rank
             self.gate_embedding_proj = ReplicatedLinear(
                 config.gate_embedding_dim, gated_width, bias=False, prefix=f"{prefix}.gate_embedding_proj"
             )
@@ -176,11 +179,11 @@ class EGMLAAttention(nn.Module):
         return nn.functional.pad(kv_latent, (0, self.latent_width - self.kv_lora_rank))
 
     def rebuild(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached rows [R, T, r + tail] of whole requests -> keys [R, T, H, dn + dr] and what the weights sum, as
+        """Cached rows [R, T, r + tail] of whole requests -> keys [R, T, Hkv, dn + dr] and what the weights sum, as
         egmla's `expand_kv`: the keys gated by 1 + W^{UE} E[id] and normed per head (gate on K/V), their rope dims
         rotated by each cached position ("exact"), or the cached rope keys beside the rebuilt dims (decoupled). With
         no gate on the values the weights sum the latents themselves [R, T, 1, r] (`up_values` applies W^{UV} once
-        after), else the rebuilt values [R, T, H, dv]."""
+        after), else the rebuilt values [R, T, Hkv, dv]."""
         requests, length, _ = rows.shape
         latent, tail = rows.split([self.latent_width, self.tail_width], dim=-1)
         if self.caches_token_ids:  # the gate on K/V: keys and values rebuilt together
@@ -189,8 +192,8 @@ class EGMLAAttention(nn.Module):
             ids = (digits * 256 ** torch.arange(self.id_digits, device=rows.device)).sum(-1)  # padding rows: 0
             kv = kv * (1 + self.gate_embedding_proj(self.gate_table(ids.flatten()))[0])
             if self.gate_norm is not None:
-                kv = self.gate_norm(kv.view(requests * length * self.num_heads, -1))
-            key, value = kv.view(requests, length, self.num_heads, -1).split(
+                kv = self.gate_norm(kv.view(requests * length * self.key_heads, -1))
+            key, value = kv.view(requests, length, self.key_heads, -1).split(
                 [self.rebuilt_key_dim, self.value_dim], dim=-1
             )
         else:  # only the keys: W^{UK} rows of W^{UKV}
@@ -204,18 +207,22 @@ class EGMLAAttention(nn.Module):
             key_rope = rotate(key[..., self.nope_dim :], cos.to(key.dtype), sin.to(key.dtype))
             return torch.cat([key[..., : self.nope_dim], key_rope], dim=-1), value
         rope_key = tail[..., : self.rope_width].reshape(requests, length, self.rope_key_heads, 1, self.rope_dim)
-        group = self.num_heads // self.rope_key_heads
-        rope_key = rope_key.expand(-1, -1, -1, group, -1).reshape(requests, length, self.num_heads, self.rope_dim)
+        group = self.key_heads // self.rope_key_heads
+        rope_key = rope_key.expand(-1, -1, -1, group, -1).reshape(requests, length, self.key_heads, self.rope_dim)
         return torch.cat([key, rope_key.to(key.dtype)], dim=-1), value
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W^{UK} [H, dk, r] and W^{UV} [H, dv, r], views of W^{UKV} (at the cache's padded latent width)."""
-        weight = self.kv_b_proj.weight.view(self.num_heads, self.rebuilt_key_dim + self.value_dim, -1)
+        """W^{UK} [Hkv, dk, r] and W^{UV} [Hkv, dv, r], views of W^{UKV} (at the cache's padded latent width)."""
+        weight = self.kv_b_proj.weight.view(self.key_heads, self.rebuilt_key_dim + self.value_dim, -1)
         return weight.split([self.rebuilt_key_dim, self.value_dim], dim=1)
 
     def up_values(self, attended: torch.Tensor) -> torch.Tensor:
-        """The weighted sums of latents [N, H, r] -> of values [N, H, dv], per head (exact: W^{UV} is linear)."""
-        return torch.einsum("nhr,hvr->nhv", attended, self.up_weights()[1].to(attended.dtype))
+        """The weighted sums of latents [N, H, r] -> of values [N, H, dv], by each query head's key head's W^{UV}
+        (exact: W^{UV} is linear)."""
+        tokens = attended.shape[0]
+        attended = attended.view(tokens, self.key_heads, self.num_heads // self.key_heads, -1)
+        values = torch.einsum("ngjr,gvr->ngjv", attended, self.up_weights()[1].to(attended.dtype))
+        return values.reshape(tokens, self.num_heads, -1)
 
     def cache_tail(self, rope_key: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """What the cache row holds past the latent for the new tokens [T, 1, tail]: the rope keys, the token id
@@ -252,6 +259,12 @@ class EGMLAAttention(nn.Module):
             query, self.latent(kv_latent, input_ids), rope_key, output_shape=(tokens, heads * self.value_dim)
         )
         return self.o_proj(output)[0]
+
+
+def per_query_head(weight: torch.Tensor, config: EGMLAConfig) -> torch.Tensor:
+    """W^{UKV} [Hkv * C, r] -> [H * C, r]: each key head's rows repeated for its group of query heads."""
+    heads = weight.view(config.num_key_value_heads, -1, weight.shape[-1])
+    return heads.repeat_interleave(config.num_attention_heads // config.num_key_value_heads, dim=0).flatten(0, 1)
 
 
 class EGMLADecoderLayer(nn.Module):
@@ -350,6 +363,8 @@ class EGMLAForCausalLM(nn.Module):
                 param = params[name]
                 if name.endswith("kv_b_proj.weight") and weight.shape[1] < param.shape[1]:
                     weight = nn.functional.pad(weight, (0, param.shape[1] - weight.shape[1]))  # padded latent
+                if name.endswith("kv_b_proj.weight") and weight.shape[0] < param.shape[0]:
+                    weight = per_query_head(weight, self.config)  # vLLM's absorbed MLA: one key head per query head
                 getattr(param, "weight_loader", default_weight_loader)(param, weight)
             loaded.add(name)
         return loaded

@@ -32,13 +32,15 @@ TINY = dict(
     kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256,
     bos_token_id=1, eos_token_id=2,
 )  # fmt: skip
-# Every mode the plugin serves, on tiny random folders: the gate on the latent with one rope key; the gate off with
+# Every mode the plugin serves, on tiny random folders (three with 2 key heads for 4 query heads, GQA: the absorbed
+# gate on the latent, the gate on K/V with two rope keys, the RoPE-exact latent): the gate on the latent with one
+# rope key; the gate off with
 # a low-rank query, per-layer latent widths, tied embeddings and linear rope scaling; two rope keys with their own
 # frequencies and llama3 rope scaling; the gate on K/V with two rope keys, and with a low-rank query, per-layer
 # widths, no gate norm and a table shared by two layers; the RoPE-exact latent with the gate on K/V (8 of 16 rotary
 # frequencies) and on the latent with a low-rank query; yarn with DeepSeek's mscale.
 TINY_FOLDERS = {
-    "gate-latent": dict(gate_embedding_dim=8, gate_position="latent"),
+    "gate-latent": dict(gate_embedding_dim=8, gate_position="latent", num_key_value_heads=2),
     "gate-off-qlora-ranks-tied": dict(
         gate_embedding_dim=0, q_lora_rank=16, kv_lora_rank=[24, 12], tie_word_embeddings=True,
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
@@ -49,13 +51,15 @@ TINY_FOLDERS = {
         rope_parameters={"rope_type": "llama3", "factor": 4.0, "rope_theta": 10000.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
     ),
-    "gate-kv-two-rope-keys": dict(gate_embedding_dim=8, gate_position="kv", rope_key_heads=2),
+    "gate-kv-two-rope-keys": dict(gate_embedding_dim=8, gate_position="kv", rope_key_heads=2, num_key_value_heads=2),
     "gate-kv-qlora-ranks-no-norm": dict(
         gate_embedding_dim=8, gate_position="kv", gate_norm="none", q_lora_rank=16, kv_lora_rank=[24, 12],
         gate_layers_per_table=2,
     ),
     "exact-gate-kv": dict(gate_embedding_dim=8, gate_position="kv", rope_mode="exact", rope_frequency_dim=16),
-    "exact-gate-latent-qlora": dict(gate_embedding_dim=8, gate_position="latent", rope_mode="exact", q_lora_rank=16),
+    "exact-gate-latent-qlora": dict(
+        gate_embedding_dim=8, gate_position="latent", rope_mode="exact", q_lora_rank=16, num_key_value_heads=2
+    ),
     "gate-off-yarn": dict(
         gate_embedding_dim=0,
         rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0, "mscale_all_dim": 1.0,
