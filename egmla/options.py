@@ -41,8 +41,8 @@ def add_fields(
             continue
         flags = (f"--{(prefix + field.name).replace('_', '-')}", *field.metadata["flags"])
         kind, help_text = value_type(hints[field.name]), field.metadata["help"].replace("%", "%%")
-        if kind is bool:
-            parser.add_argument(*flags, action="store_true", default=field.default, help=help_text)
+        if kind is bool:  # --name and --no-name: a default of True can be turned off too
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
             continue
         choices = field.metadata["choices"]
         parser.add_argument(*flags, type=kind, default=field.default, choices=choices, help=help_text)

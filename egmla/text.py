@@ -102,8 +102,10 @@ def sample_blocks(
     block_size: int,
     seed: int = 0,
     batch_size: int = 128,  # wide batches sample faster on a CPU: 1.5x the tokens/s of 32 (benchmarks/sampling.py)
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Data-free text: `count` sequences of `block_size` tokens sampled from the model itself, from its BOS."""
+    """Data-free text: `count` sequences of `block_size` tokens sampled from the model itself, from its BOS, at
+    `temperature`."""
     start_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
@@ -119,7 +121,7 @@ def sample_blocks(
                 do_sample=True,
                 top_k=0,
                 top_p=1.0,
-                temperature=1.0,
+                temperature=temperature,
                 max_new_tokens=block_size - 1,
                 min_new_tokens=block_size - 1,
                 pad_token_id=tokenizer.eos_token_id,

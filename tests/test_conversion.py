@@ -644,3 +644,18 @@ def test_the_default_conversion_decodes_absorbed_with_the_gate_on_the_latent_or_
     assert egmla_cost(student.config).path == "absorbed"
     exact = ConversionOptions(kv_lora_rank=8, rope_split="exact", factorization="weight")
     assert egmla_cost(convert_llama_to_egmla(tiny_llama(), exact).config).path == "rebuilt"
+
+
+def test_sampled_text_follows_its_temperature():
+    """Data-free text is sampled at `sample_temperature`: near 0 it is the greedy continuation of the BOS; a
+    temperature of 0 or less is refused by name."""
+    from egmla.conversion.pipeline import TextSettings
+    from egmla.text import sample_blocks
+
+    teacher, tokenizer = tiny_llama(), SimpleNamespace(bos_token_id=1, eos_token_id=2)
+    cold = sample_blocks(teacher, tokenizer, count=3, block_size=12, temperature=1e-4)
+    greedy = teacher.generate(torch.ones(3, 1, dtype=torch.long), do_sample=False, max_new_tokens=11, min_new_tokens=11)
+    assert torch.equal(cold, greedy)
+    assert not torch.equal(sample_blocks(teacher, tokenizer, count=3, block_size=12, temperature=1.0), greedy)
+    with pytest.raises(ValueError, match="sample_temperature must be positive"):
+        TextSettings(sample_temperature=0.0)

@@ -35,12 +35,13 @@ def serve(request: dict) -> dict:
         model=request["folder"],
         dtype=request.get("dtype", "float32"),
         max_model_len=request.get("max_model_len", 256),
-        max_num_seqs=4,
+        max_num_seqs=request.get("max_num_seqs", 4),
         enforce_eager=True,
         seed=0,
         **engine,
     )
-    params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, logprobs=request.get("logprobs", 1))
+    logprobs = request.get("logprobs", 1) or None  # 0: none (a benchmark)
+    params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, logprobs=logprobs)
     prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm-up
     started = time.perf_counter()
@@ -48,7 +49,7 @@ def serve(request: dict) -> dict:
     elapsed = time.perf_counter() - started
     tokens = [list(output.outputs[0].token_ids) for output in outputs]
     logprobs = [
-        [{str(token): entry.logprob for token, entry in step.items()} for step in output.outputs[0].logprobs]
+        [{str(token): entry.logprob for token, entry in step.items()} for step in output.outputs[0].logprobs or []]
         for output in outputs
     ]
     result = {
