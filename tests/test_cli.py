@@ -99,6 +99,18 @@ def test_retrofit_recovers_for_minutes_that_follow_its_text(monkeypatch, flags, 
     cli.main(["retrofit", "SRC.gguf", "--out", "OUT", *flags])
     assert jobs[0].finetune.max_minutes == minutes and jobs[0].finetune.steps is None
     assert jobs[0].finetune.mixed_precision == "auto" and jobs[0].reconstruction.mixed_precision == "auto"
+    # The attention alone recovers, at 2e-4, after a layer-wise fit of 100 steps a layer.
+    assert jobs[0].finetune.attention_only and jobs[0].finetune.learning_rate == 2e-4
+    assert jobs[0].reconstruction.steps == 100
+
+
+def test_a_flag_whose_default_is_true_can_be_turned_off(monkeypatch):
+    import egmla.cli as cli
+
+    jobs = []
+    monkeypatch.setattr(cli, "run_conversion", jobs.append)
+    cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--no-attention-only", "--reconstruction-steps", "200"])
+    assert not jobs[0].finetune.attention_only and jobs[0].reconstruction.steps == 200
 
 
 def test_retrofit_refuses_a_recovery_of_no_minutes(monkeypatch):
