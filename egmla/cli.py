@@ -96,7 +96,10 @@ def retrofit_command(args: argparse.Namespace) -> None:
         options=conversion_options(args),
         text=from_args(TextSettings, args),
         reconstruction=reconstruction_settings(args),
-        finetune=from_args(FinetuneSettings, args, max_minutes=minutes)
+        # LoRA chooses what it trains: with --lora the retrofit's attention-only default steps aside.
+        finetune=from_args(
+            FinetuneSettings, args, max_minutes=minutes, attention_only=args.attention_only and not args.lora
+        )
         if args.steps is None or args.steps > 0
         else None,
         overwrite=args.overwrite,

@@ -132,7 +132,7 @@ class EGMLAConfig(PreTrainedConfig):
         qk_rope_head_dim: per-head query/key dims with rotary embedding; the rope key has this width.
         v_head_dim: per-head value dims.
         rope_key_heads: number of rope keys per token; 1 = one shared by all heads (DeepSeek), more = one per
-            group of `num_attention_heads // rope_key_heads` query heads.
+            group of `num_attention_heads // rope_key_heads` query heads; it must divide `num_key_value_heads`.
         rope_mode: `"decoupled"` (DeepSeek): a separate rope key of `qk_rope_head_dim` dims is cached beside the
             latent, and keys rebuilt from the latent carry no position. `"exact"`: no rope key; every head's whole
             key ([nope ; rope] dims) is rebuilt from the latent and its rope dims are rotated with each cached
@@ -264,14 +264,11 @@ class EGMLAConfig(PreTrainedConfig):
         )
         if len(ranks) != self.num_hidden_layers:
             raise ValueError(f"`kv_lora_rank` lists {len(ranks)} ranks for {self.num_hidden_layers} layers.")
-        for name, heads, within in (
-            ("num_key_value_heads", self.num_key_value_heads, self.num_attention_heads),
-            ("rope_key_heads", self.rope_key_heads, self.num_key_value_heads),
-        ):
-            if within % heads:
+        for name, within in (("num_key_value_heads", "num_attention_heads"), ("rope_key_heads", "num_key_value_heads")):
+            if getattr(self, within) % getattr(self, name):
                 raise ValueError(
-                    f"`{name}` ({heads}) must divide {within} (`num_attention_heads`, then `num_key_value_heads`): "
-                    "each key head, and each rope key, serves an equal group of query heads."
+                    f"`{name}` ({getattr(self, name)}) must divide `{within}` ({getattr(self, within)}): each key "
+                    "head, and each rope key, serves an equal group of query heads."
                 )
         if self.num_hidden_layers % self.gate_layers_per_table:
             raise ValueError(

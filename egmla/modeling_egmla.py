@@ -207,7 +207,7 @@ class EGMLAGateProjection(nn.Linear):
     """W^{UE}: gate embedding -> gate. It starts at zero, so a fresh gate 1 + W^{UE} e is the identity."""
 
 
-# Cached positions a re-expanding decode step expands at a time: [B, 128, H*(dk+dv)] stays in a CPU core's cache.
+# Cached positions a re-expanding decode step expands at a time: [B, 128, Hkv*(dk+dv)] stays in a CPU core's cache.
 DECODE_BLOCK = 128
 
 # Above this share of distinct tokens in the context, computing the gate per distinct token and gathering it per
@@ -609,7 +609,7 @@ def latent_sdpa(
 # `call` an EGMLALatentDecode, and returns (output [B, S, H, dv], None), or (None, None) to leave the step to the
 # reference path (e.g. a `version` it does not know). Bump the version whenever EGMLALatentDecode changes.
 LATENT_DECODE_PREFIX = "egmla_fused"
-LATENT_DECODE_VERSION = 4
+LATENT_DECODE_VERSION = 5  # 5: kv_weight and gate_weight per key head ([Hkv, ...], num_key_value_heads)
 
 
 class EGMLALatentDecode(NamedTuple):
@@ -1059,7 +1059,7 @@ def gate_of_block(
     if module.gate_position != "kv" or module.gate_embedding_proj is None:
         return None
     rows = gate_rows.rows.view(gate_rows.batch_size, gate_rows.length, -1)[:, start:end]
-    return 1 + module.gate_embedding_proj(rows)  # made while the block is used: [B*T, H*(dk+dv)] never is
+    return 1 + module.gate_embedding_proj(rows)  # made while the block is used: [B*T, Hkv*(dk+dv)] never is
 
 
 def rebuild_block(

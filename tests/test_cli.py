@@ -111,6 +111,8 @@ def test_a_flag_whose_default_is_true_can_be_turned_off(monkeypatch):
     monkeypatch.setattr(cli, "run_conversion", jobs.append)
     cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--no-attention-only", "--reconstruction-steps", "200"])
     assert not jobs[0].finetune.attention_only and jobs[0].reconstruction.steps == 200
+    cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--lora"])  # LoRA chooses what it trains
+    assert jobs[1].finetune.lora and not jobs[1].finetune.attention_only
 
 
 def test_retrofit_refuses_a_recovery_of_no_minutes(monkeypatch):

@@ -7,8 +7,8 @@
 3. Factorize per layer: the stacked NoPE keys and values into W^{DKV} and W^{UKV} (`factorization.py`).
 4. Allocate ranks across layers (uniform, or by retained energy under the same total). Steps 1-4 make the
    `ConversionPlan`, once.
-5. Build the EG-MLA model from the plan: the query rows permuted to [nope ; rope], the up-projection repeated for
-   every query head of a group, everything else (MLP, norms, embeddings, RoPE base and scaling, attention scale)
+5. Build the EG-MLA model from the plan: the query rows permuted to [nope ; rope], the up-projection per source KV
+   head (the rebuilding forms) or repeated for every query head of a group (the absorbed MQA), everything else (MLP, norms, embeddings, RoPE base and scaling, attention scale)
    copied, and the gate at the identity, so the fresh model equals its MLA approximation.
 """
 

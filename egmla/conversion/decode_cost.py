@@ -4,8 +4,9 @@ and the multiply-adds it spends on them at every step (arithmetic), and a measur
 - The source (Llama, GQA) reads 2 * Hkv * hd values and does 2 * Hq * hd multiply-adds (q.k and p.v per head).
 - The absorbed MQA (decoupled rope key, gate off or on the latent) reads the latent and the rope key once for every
   head and does Hq * (r + dr + r): a score over [latent ; rope key], a weighted sum of latents.
-- The rebuilding forms (the RoPE-exact latent, the gate on K/V) rebuild every cached key and value for every query
-  head: r * Hq * (dk + dv) multiply-adds, then the attention itself.
+- The rebuilding forms (the RoPE-exact latent, the gate on K/V) rebuild every cached key once per key head
+  (`num_key_value_heads`): r * Hkv * dk multiply-adds, and with the gate on K/V the values and the gate too,
+  (r + de) * Hkv * (dk + dv); then the attention itself.
 """
 
 from dataclasses import asdict, dataclass

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("reference", "triton", "compiled")
 IMPLEMENTATIONS = {"egmla_fused": "auto", "egmla_fused_triton": "triton", "egmla_fused_compiled": "compiled"}
-SUPPORTED_DECODE_VERSION = 4  # of the model's EGMLALatentDecode
+SUPPORTED_DECODE_VERSIONS = (4, 5)  # of the model's EGMLALatentDecode (4: one key head per query head)
 KERNEL_OVERRIDE = os.environ.get("EGMLA_KERNEL")  # read once: a process-wide choice, not a per-call switch
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _logged: set[str] = set()
@@ -153,7 +153,8 @@ def run_step(module: torch.nn.Module, call, mask: torch.Tensor, backend: str) ->
         return kv_step(module, call, mask, backend)
     # Gate off or on the latent, decoupled rope: the absorbed MQA; fold W^{UK} into the query.
     latent, rope_key = call.latent[:, 0], call.rope_key[:, 0]
-    weight = call.kv_weight.repeat_interleave(module.num_key_value_groups, dim=0)  # per query head
+    groups = getattr(module, "num_key_value_groups", 1)
+    weight = call.kv_weight.repeat_interleave(groups, dim=0) if groups > 1 else call.kv_weight  # per query head
     w_uk, w_uv = weight.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)
     query_latent = torch.einsum("bhsd,hdr->bhsr", call.q_nope, w_uk)
     inputs = LatentDecodeInputs(query_latent, rope_query_slots(module, call.q_rope), latent, rope_key, mask)
@@ -163,10 +164,10 @@ def run_step(module: torch.nn.Module, call, mask: torch.Tensor, backend: str) ->
 
 def fused_decode(module: torch.nn.Module, call, attention_mask: torch.Tensor | None, backend: str):
     """The step's output [B, S, H, dv], or None to leave it to the model's reference path."""
-    if call.version != SUPPORTED_DECODE_VERSION:
+    if call.version not in SUPPORTED_DECODE_VERSIONS:
         log_once(
             f"egmla_fused: the model's decode contract is version {call.version}, these kernels know "
-            f"{SUPPORTED_DECODE_VERSION}, so decoding uses the reference path (update egmla or the model's code)."
+            f"{SUPPORTED_DECODE_VERSIONS}, so decoding uses the reference path (update egmla or the model's code)."
         )
         return None
     if backend == "reference" or (backend == "compiled" and _compile_failed):

@@ -174,7 +174,7 @@ class RebuildingAttention(MLAAttention):
             value.transpose(1, 2),
             attn_mask=mask[:, None],
             scale=self.scale,
-            enable_gqa=key.shape[2] != padded.shape[2],
-        )  # fmt: skip  (each key head serves a group of query heads)
+            enable_gqa=key.shape[2] != padded.shape[2],  # each key head serves a group of query heads
+        )
         attended = attended.transpose(1, 2)[request, place]  # [N, H, dv], or [N, H, r] to take to values
         return attended if self.up_values is None else self.up_values(attended)

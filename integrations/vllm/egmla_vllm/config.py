@@ -130,6 +130,9 @@ class EGMLAConfig(PreTrainedConfig):
 
 def check_servable(config: EGMLAConfig) -> None:
     """Refuses, naming the problem, what the plugin cannot serve."""
+    for name, within in (("num_key_value_heads", "num_attention_heads"), ("rope_key_heads", "num_key_value_heads")):
+        if getattr(config, within) % getattr(config, name):
+            raise ValueError(f"egmla-vllm: `{name}` ({getattr(config, name)}) must divide `{within}`.")
     rope_type = (config.rope_parameters or {}).get("rope_type", "default")
     if rope_type not in SERVED_ROPE_TYPES:
         raise ValueError(f"egmla-vllm: rope_type {rope_type!r} is not served (served: {SERVED_ROPE_TYPES}).")
