@@ -13,8 +13,8 @@ from .bench import converted, decode, figure, kv, train
 from .conversion import ConversionOptions
 from .conversion.pipeline import (
     CONVERT_DEFAULTS,
+    RETROFIT_BY_TEXT,
     RETROFIT_DEFAULTS,
-    RETROFIT_MINUTES,
     ConversionJob,
     FinetuneJob,
     TextSettings,
@@ -86,22 +86,25 @@ def conversion_options(args: argparse.Namespace) -> ConversionOptions:
     return from_args(ConversionOptions, args, kv_cut=kv_cut, rope_split=rope_split(args))
 
 
+def retrofit_arguments(args: argparse.Namespace) -> argparse.Namespace:
+    """The flags with the retrofit's defaults that follow its text (RETROFIT_BY_TEXT) where they were not given;
+    with --lora, which chooses what it trains, attention-only stays off unless asked for."""
+    chosen = dict(RETROFIT_BY_TEXT["text" if args.train_text else "data-free"])
+    if args.lora:
+        chosen["attention_only"] = False
+    given = {name: getattr(args, name) for name in chosen if getattr(args, name) is not None}
+    return argparse.Namespace(**{**vars(args), **chosen, **given})
+
+
 def retrofit_command(args: argparse.Namespace) -> None:
-    minutes = args.max_minutes
-    if minutes is None:
-        minutes = RETROFIT_MINUTES["text" if args.train_text else "data-free"]
+    args = retrofit_arguments(args)
     job = ConversionJob(
         source=args.source or smollm2_gguf(),
         out=args.out,
         options=conversion_options(args),
         text=from_args(TextSettings, args),
         reconstruction=reconstruction_settings(args),
-        # LoRA chooses what it trains: with --lora the retrofit's attention-only default steps aside.
-        finetune=from_args(
-            FinetuneSettings, args, max_minutes=minutes, attention_only=args.attention_only and not args.lora
-        )
-        if args.steps is None or args.steps > 0
-        else None,
+        finetune=from_args(FinetuneSettings, args) if args.steps is None or args.steps > 0 else None,
         overwrite=args.overwrite,
         sample_prompt=args.prompt,
         score_stages=args.score_stages,

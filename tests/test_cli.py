@@ -85,23 +85,28 @@ def test_a_choice_outside_a_fields_choices_is_refused_by_name():
 
 
 @pytest.mark.parametrize(
-    ("flags", "minutes"),
-    [([], 4.5), (["--train-text", "T.txt"], 7.0), (["--max-minutes", "2"], 2.0)],
+    ("flags", "expected"),
+    [
+        ([], {"max_minutes": 4.5, "attention_only": False, "learning_rate": 1e-4, "reconstruction_steps": 200}),
+        (["--train-text", "T.txt"], {"max_minutes": 7.0, "attention_only": True, "learning_rate": 2e-4,
+                                     "reconstruction_steps": 100}),
+        (["--max-minutes", "2", "--learning-rate", "3e-4"], {"max_minutes": 2.0, "learning_rate": 3e-4}),
+    ],
     ids=["data-free", "text", "given"],
-)
-def test_retrofit_recovers_for_minutes_that_follow_its_text(monkeypatch, flags, minutes):
-    """`egmla retrofit` recovers 7 minutes on text, 4.5 data-free (where more steps did not help), or as told; the
-    fitting runs under bf16 autocast where it pays (`auto`)."""
+)  # fmt: skip
+def test_retrofit_settings_follow_its_text_unless_given(monkeypatch, flags, expected):
+    """`egmla retrofit` with text: a 100-step layer-wise fit and 7 minutes recovering the attention alone at 2e-4;
+    data-free: 200 steps and 4.5 minutes recovering the whole model at 1e-4; a flag given wins. The fitting runs
+    under bf16 autocast where it pays (`auto`)."""
     import egmla.cli as cli
 
     jobs = []
     monkeypatch.setattr(cli, "run_conversion", jobs.append)
     cli.main(["retrofit", "SRC.gguf", "--out", "OUT", *flags])
-    assert jobs[0].finetune.max_minutes == minutes and jobs[0].finetune.steps is None
-    assert jobs[0].finetune.mixed_precision == "auto" and jobs[0].reconstruction.mixed_precision == "auto"
-    # The attention alone recovers, at 2e-4, after a layer-wise fit of 100 steps a layer.
-    assert jobs[0].finetune.attention_only and jobs[0].finetune.learning_rate == 2e-4
-    assert jobs[0].reconstruction.steps == 100
+    finetune, reconstruction = jobs[0].finetune, jobs[0].reconstruction
+    settings = {**vars(finetune), "reconstruction_steps": reconstruction.steps}
+    assert {name: settings[name] for name in expected} == expected and finetune.steps is None
+    assert finetune.mixed_precision == "auto" and reconstruction.mixed_precision == "auto"
 
 
 def test_a_flag_whose_default_is_true_can_be_turned_off(monkeypatch):
@@ -109,9 +114,9 @@ def test_a_flag_whose_default_is_true_can_be_turned_off(monkeypatch):
 
     jobs = []
     monkeypatch.setattr(cli, "run_conversion", jobs.append)
-    cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--no-attention-only", "--reconstruction-steps", "200"])
-    assert not jobs[0].finetune.attention_only and jobs[0].reconstruction.steps == 200
-    cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--lora"])  # LoRA chooses what it trains
+    cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--train-text", "T.txt", "--no-attention-only"])
+    assert not jobs[0].finetune.attention_only
+    cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--train-text", "T.txt", "--lora"])  # LoRA chooses what trains
     assert jobs[1].finetune.lora and not jobs[1].finetune.attention_only
 
 
