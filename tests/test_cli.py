@@ -107,6 +107,7 @@ def test_retrofit_settings_follow_its_text_unless_given(monkeypatch, flags, expe
     settings = {**vars(finetune), "reconstruction_steps": reconstruction.steps}
     assert {name: settings[name] for name in expected} == expected and finetune.steps is None
     assert finetune.mixed_precision == "auto" and reconstruction.mixed_precision == "auto"
+    assert jobs[0].text.sample_temperature == 0.8  # the data-free text, sampled cooler
 
 
 def test_a_flag_whose_default_is_true_can_be_turned_off(monkeypatch):
