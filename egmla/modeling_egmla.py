@@ -18,6 +18,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticLayer
 from transformers.generation import GenerationMixin
+from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -536,8 +537,7 @@ def eager_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain attention: query [B, H, S, dn+dr] over key [B, Hkv, T, dn+dr], value [B, Hkv, T, dv], each key head
     serving `module.num_key_value_groups` query heads."""
-    key = key.repeat_interleave(module.num_key_value_groups, dim=1)
-    value = value.repeat_interleave(module.num_key_value_groups, dim=1)
+    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         attn_weights = attn_weights + attention_mask
@@ -879,8 +879,9 @@ def absorbed_weights(
     module: "EGMLAAttention", like: torch.Tensor, weight: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """W^{UK} as [H, dn, r] and W^{UV} transposed as [H, r, dv] (per query head), contiguous for the absorbed
-    decode's batched products, from W^{UKV} [Hkv, dn+dv, r] (`weight`, the step's, else the layer's); made once per weight version and
-    kept while no gradient flows (an adapter's effective weight, or a weight being trained, is made at every call)."""
+    decode's batched products, from W^{UKV} [Hkv, dn+dv, r] (`weight`, the step's, else the layer's); made once per
+    weight version and kept while no gradient flows (an adapter's effective weight, or a weight being trained, is
+    made at every call)."""
     weight = module.kv_b_weight(like=like) if weight is None else weight
     parameter = plain_weight(module.kv_b_proj)  # an adapter's weight is made anew at each call: never kept
     reusable = parameter is not None and not torch.compiler.is_compiling()

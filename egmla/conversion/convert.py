@@ -8,8 +8,9 @@
 4. Allocate ranks across layers (uniform, or by retained energy under the same total). Steps 1-4 make the
    `ConversionPlan`, once.
 5. Build the EG-MLA model from the plan: the query rows permuted to [nope ; rope], the up-projection per source KV
-   head (the rebuilding forms) or repeated for every query head of a group (the absorbed MQA), everything else (MLP, norms, embeddings, RoPE base and scaling, attention scale)
-   copied, and the gate at the identity, so the fresh model equals its MLA approximation.
+   head (the rebuilding forms) or repeated for every query head of a group (the absorbed MQA), everything else
+   (MLP, norms, embeddings, RoPE base and scaling, attention scale) copied, and the gate at the identity, so the
+   fresh model equals its MLA approximation.
 """
 
 from dataclasses import dataclass, field
@@ -214,10 +215,12 @@ def factorize_layer(
     return split, factorize(stacked, covariance, options.damping, weights)
 
 
-def rebuilds(options: "ConversionOptions") -> bool:
-    """Whether the converted model decodes by rebuilding keys from the latent (RoPE-exact keys, or the gate on K/V)
-    rather than by the absorbed MQA."""
-    return options.rope_mode == "exact" or (options.gate_position == "kv" and options.gate_embedding_dim > 0)
+def student_key_heads(source_config, options: "ConversionOptions") -> int:
+    """The student's `num_key_value_heads`: the rebuilding forms (RoPE-exact keys, the gate on K/V) rebuild keys (and
+    values) once per source KV head; the absorbed MQA never rebuilds, and keeps W^{UKV} per query head, free to part
+    in the fitting."""
+    rebuilds = options.rope_mode == "exact" or (options.gate_position == "kv" and options.gate_embedding_dim > 0)
+    return source_config.num_key_value_heads if rebuilds else source_config.num_attention_heads
 
 
 def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConfig:
@@ -229,9 +232,7 @@ def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConf
         intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
-        # The rebuilding forms rebuild keys (and values) once per source KV head; the absorbed MQA never rebuilds,
-        # and keeps W^{UKV} per query head, free to part in the fitting.
-        num_key_value_heads=config.num_key_value_heads if rebuilds(options) else None,
+        num_key_value_heads=student_key_heads(config, options),
         q_lora_rank=None,
         kv_lora_rank=plan.ranks if options.rank_allocation == "energy" else budget.kv_lora_rank,
         qk_nope_head_dim=budget.nope_dim,

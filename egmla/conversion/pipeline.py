@@ -38,6 +38,15 @@ from .reconstruction import ReconstructionSettings, reconstruct_layers
 from .report import print_report, write_finetune_card, write_model_card
 from .source import load_llama, load_tokenizer, split_gguf
 
+# `egmla retrofit`'s settings by whether text is given (a flag given wins). With text: a layer-wise fit of 100 Adam
+# steps a layer (not 200: 5.5 of the 20 minutes instead of 10), then 7 minutes recovering the attention alone at
+# 2e-4 (its steps take 0.65x the whole model's; in the same time it reached 9.98 held-out perplexity against 10.09).
+# Data-free: 200 steps a layer and 4.5 minutes recovering the whole model at 1e-4, since on sampled text both of the
+# text's choices ended worse (+63.1% against +57.4%), and 63, 69 and 101 steps all ended at +57-58% (docs/results.md).
+RETROFIT_BY_TEXT = {
+    "text": {"max_minutes": 7.0, "reconstruction_steps": 100, "attention_only": True, "learning_rate": 2e-4},
+    "data-free": {"max_minutes": 4.5, "reconstruction_steps": 200, "attention_only": False, "learning_rate": 1e-4},
+}
 # The main job's defaults where they differ from the dataclasses': MHA2MLA's 68.75% cut of SmolLM2-135M, sized to
 # finish within 15 minutes on 2 CPU cores (20 with text); the settings that follow the text are in RETROFIT_BY_TEXT.
 RETROFIT_DEFAULTS = {
@@ -49,16 +58,7 @@ RETROFIT_DEFAULTS = {
     "steps": None,
     "batch_size": 4,
     "mixed_precision": "auto",
-    **{name: None for name in ("max_minutes", "attention_only", "learning_rate", "reconstruction_steps")},
-}
-# `egmla retrofit`'s settings by whether text is given (a flag given wins). With text: a layer-wise fit of 100 Adam
-# steps a layer (not 200: 5.5 of the 20 minutes instead of 10), then 7 minutes recovering the attention alone at
-# 2e-4 (its steps take 0.65x the whole model's; in the same time it reached 9.98 held-out perplexity against 10.09).
-# Data-free: 200 steps a layer and 4.5 minutes recovering the whole model at 1e-4, since on sampled text both of the
-# text's choices ended worse (+63.1% against +57.4%), and 63, 69 and 101 steps all ended at +57-58% (docs/results.md).
-RETROFIT_BY_TEXT = {
-    "text": {"max_minutes": 7.0, "reconstruction_steps": 100, "attention_only": True, "learning_rate": 2e-4},
-    "data-free": {"max_minutes": 4.5, "reconstruction_steps": 200, "attention_only": False, "learning_rate": 1e-4},
+    **dict.fromkeys(RETROFIT_BY_TEXT["text"]),  # None: chosen by whether text is given, unless a flag is
 }
 # `egmla convert` recovers on the calibration text when one is given (`--steps 0` turns it off): a decoupled rope
 # key loses what only training on text gives back, and a few minutes of it are most of the gain.

@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 
 from ..text import packed_blocks, perplexity
 from .calibration import LayerStatistics, calibrate
-from .convert import ConversionOptions, build_student, plan_layers, rebuilds
+from .convert import ConversionOptions, build_student, plan_layers, student_key_heads
 from .decode_cost import cost_row, egmla_cost, source_cost
 
 HELD_OUT_BLOCKS = 8  # at most: a slice of the calibration blocks that the candidates are not fitted on
@@ -61,8 +61,7 @@ def candidate_cost(student, choice: ConversionOptions, teacher: LlamaForCausalLM
     """The decode cost of `choice` (converted gate-free for the search) with the gate it will really have."""
     config = copy.deepcopy(student.config)
     config.gate_embedding_dim, config.gate_position = choice.gate_embedding_dim, choice.gate_position
-    key_heads = teacher.config.num_key_value_heads if rebuilds(choice) else config.num_attention_heads
-    config.num_key_value_heads = key_heads  # as `student_config` gives the choice
+    config.num_key_value_heads = student_key_heads(teacher.config, choice)
     return cost_row(egmla_cost(config), source_cost(teacher.config))
 
 

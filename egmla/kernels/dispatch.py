@@ -153,8 +153,8 @@ def run_step(module: torch.nn.Module, call, mask: torch.Tensor, backend: str) ->
         return kv_step(module, call, mask, backend)
     # Gate off or on the latent, decoupled rope: the absorbed MQA; fold W^{UK} into the query.
     latent, rope_key = call.latent[:, 0], call.rope_key[:, 0]
-    groups = getattr(module, "num_key_value_groups", 1)
-    weight = call.kv_weight.repeat_interleave(groups, dim=0) if groups > 1 else call.kv_weight  # per query head
+    groups = module.num_key_value_groups  # per query head (a view where each has its own)
+    weight = call.kv_weight.repeat_interleave(groups, dim=0) if groups > 1 else call.kv_weight
     w_uk, w_uv = weight.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)
     query_latent = torch.einsum("bhsd,hdr->bhsr", call.q_nope, w_uk)
     inputs = LatentDecodeInputs(query_latent, rope_query_slots(module, call.q_rope), latent, rope_key, mask)

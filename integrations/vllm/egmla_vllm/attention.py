@@ -130,9 +130,9 @@ class RebuildingAttention(MLAAttention):
     """vLLM's MLA layer for what the absorbed decode cannot express, the gate on K/V and the RoPE-exact latent: the
     paged cache row is `[latent ; tail]` (the tail: the rope keys, and the token id as base-256 digits, exact in any
     float dtype, where the gate on K/V needs it), and every step rebuilds each request's keys from its whole cache
-    (`rebuild`, the model's: rows [R, T, width] -> keys [R, T, Hkv, dq], one per key head, and values [R, T, Hkv, dv]
-    with the gate on K/V;
-    without it the latents [R, T, 1, r], summed by the weights and taken to values once after by `up_values`).
+    (`rebuild`, the model's: rows [R, T, width] -> keys [R, T, Hkv, dq], one per key head; with the gate on K/V the
+    values [R, T, Hkv, dv] too, without it the latents [R, T, 1, r], which the weights sum and `up_values` takes to
+    values once after).
 
     The cache write, its spec (one row per token per layer) and the block tables are vLLM's; only the attention
     (`forward_impl`) is replaced: one pass for prefill and decode alike, every new token over its request's cache.
