@@ -110,6 +110,7 @@ def retrofit_command(args: argparse.Namespace) -> None:
         score_stages=args.score_stages,
         base_model=args.base_model,
         license=args.license,
+        time_limit=args.time_limit,
     )
     run_conversion(job)
 
@@ -131,6 +132,7 @@ def convert_command(args: argparse.Namespace) -> None:
         score_stages=args.score_stages,
         base_model=args.base_model,
         license=args.license,
+        time_limit=args.time_limit,
     )
     run_conversion(job)
 
@@ -208,7 +210,14 @@ def bench_command(args: argparse.Namespace) -> None:
     print(f"wrote {results / f'{args.panel}.json'}")
 
 
-def add_scoring_option(parser: argparse.ArgumentParser) -> None:
+def add_job_options(parser: argparse.ArgumentParser, time_limit_default: str) -> None:
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="minutes for the whole job: the recovery is cut to what the other stages and the final scoring leave "
+        f"of it (default: {time_limit_default})",
+    )
     parser.add_argument(
         "--score-stages",
         action="store_true",
@@ -245,7 +254,7 @@ def add_retrofit(commands) -> None:
     retrofit.add_argument("--overwrite", action="store_true")
     retrofit.add_argument("--prompt", default="Once upon a time", help="prompt of the printed sample")
     add_card_options(retrofit)
-    add_scoring_option(retrofit)
+    add_job_options(retrofit, "20 with --train-text, 15 without")
     add_conversion_options(retrofit)
     add_reconstruction_options(retrofit)
     add_text_options(retrofit)
@@ -264,7 +273,7 @@ def add_convert(commands) -> None:
     convert.add_argument("--out", type=Path, default=None)
     convert.add_argument("--overwrite", action="store_true")
     add_card_options(convert)
-    add_scoring_option(convert)
+    add_job_options(convert, "none")
     add_conversion_options(convert)
     add_reconstruction_options(convert)
     add_text_options(convert)

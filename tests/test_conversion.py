@@ -1,5 +1,6 @@
 """Retrofitting Llama checkpoints into EG-MLA: exactness, factorizations, GQA, rope scaling, errors, CLI."""
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ from egmla.conversion import (
 )
 from egmla.conversion.decode_cost import egmla_cost
 from egmla.conversion.factorization import allocate_ranks, factorize
-from egmla.conversion.pipeline import StageSelection
+from egmla.conversion.pipeline import StageSelection, TextSettings
 from egmla.conversion.reconstruction import ReconstructionSettings
 from egmla.conversion.rope import rotation_variance
 from egmla.text import perplexity, read_documents, split_documents, token_blocks
@@ -602,6 +603,29 @@ def test_recovery_blocks_are_the_fitting_stream_packed_to_the_context():
     text = TextData(fit=blocks, recovery=packed, selection=blocks[:0], held_out=blocks[:2], documents=[])
     assert recovery_settings(FinetuneSettings(batch_size=8), text).batch_size == 2  # the same tokens per step
     assert recovery_settings(FinetuneSettings(batch_size=2), text).batch_size == 1
+
+
+def test_the_recovery_gets_what_remains_of_the_time_limit():
+    """With a time limit, the recovery's minutes are cut to what the earlier stages and the final scoring (timed from
+    the source's) leave; with none left it is skipped; without a limit the settings are unchanged."""
+    import time
+
+    from egmla.conversion.pipeline import ConversionJob, recovery_deadline, recovery_within_limit
+    from egmla.training import FinetuneSettings
+
+    settings = FinetuneSettings(steps=None, max_minutes=4.5)
+    job = ConversionJob("SRC", "OUT", ConversionOptions(kv_cut=0.5), TextSettings(), time_limit=15.0)
+    now = time.time()
+    assert recovery_deadline(dataclasses.replace(job, time_limit=None), now, 60.0) is None
+    assert recovery_within_limit(settings, None, 15.0) is settings
+    deadline = recovery_deadline(job, started=now - 8 * 60, scoring_seconds=60.0)  # 8 of 15 minutes spent
+    assert deadline == pytest.approx(now + 7 * 60 - 1.25 * 60 - 45, abs=1e-6)
+    assert recovery_within_limit(settings, deadline, 15.0) is settings  # 4.5 minutes fit in the 5 left
+    cut = recovery_within_limit(settings, recovery_deadline(job, now - 11 * 60, 60.0), 15.0)
+    assert cut.max_minutes == pytest.approx(4 - 1.25 - 0.75, abs=0.02) and cut.steps is None
+    assert recovery_within_limit(settings, recovery_deadline(job, now - 14 * 60, 60.0), 15.0) is None
+    with pytest.raises(ValueError, match="time_limit must be positive"):
+        ConversionJob("SRC", "OUT", ConversionOptions(kv_cut=0.5), TextSettings(), time_limit=0)
 
 
 class QuadraticLoss(torch.nn.Module):

@@ -43,9 +43,23 @@ from .source import load_llama, load_tokenizer, split_gguf
 # 2e-4 (its steps take 0.65x the whole model's; in the same time it reached 9.98 held-out perplexity against 10.09).
 # Data-free: 200 steps a layer and 4.5 minutes recovering the whole model at 1e-4, since on sampled text both of the
 # text's choices ended worse (+63.1% against +57.4%), and 63, 69 and 101 steps all ended at +57-58% (docs/results.md).
+# The whole job keeps within its time limit (20 minutes with text, 15 without) on a slower machine too: the recovery
+# gets what remains of it.
 RETROFIT_BY_TEXT = {
-    "text": {"max_minutes": 7.0, "reconstruction_steps": 100, "attention_only": True, "learning_rate": 2e-4},
-    "data-free": {"max_minutes": 4.5, "reconstruction_steps": 200, "attention_only": False, "learning_rate": 1e-4},
+    "text": {
+        "max_minutes": 7.0,
+        "reconstruction_steps": 100,
+        "attention_only": True,
+        "learning_rate": 2e-4,
+        "time_limit": 20.0,
+    },
+    "data-free": {
+        "max_minutes": 4.5,
+        "reconstruction_steps": 200,
+        "attention_only": False,
+        "learning_rate": 1e-4,
+        "time_limit": 15.0,
+    },
 }
 # The main job's defaults where they differ from the dataclasses': MHA2MLA's 68.75% cut of SmolLM2-135M, sized to
 # finish within 15 minutes on 2 CPU cores (20 with text); the settings that follow the text are in RETROFIT_BY_TEXT.
@@ -262,6 +276,73 @@ class ConversionJob:
     score_stages: bool = False
     base_model: str | None = None  # the card's base model (a Hub id); None: the source's own, when it names one
     license: str | None = None  # the card's licence; None: the source's card, config or GGUF metadata, if any
+    time_limit: float | None = None  # minutes for the whole job: the recovery gets what the other stages leave
+
+    def __post_init__(self) -> None:
+        if self.time_limit is not None and self.time_limit <= 0:
+            raise ValueError(f"time_limit must be positive minutes (or None: no limit), got {self.time_limit}.")
+
+
+# After the recovery: scoring the saved model (slower than the source by up to a fifth), the decode measurement, the
+# sample and the save (about 30 s for SmolLM2 on 2 cores), and the recovery's own timing passes.
+FINAL_SCORING_FACTOR = 1.25
+FINAL_STAGES_SECONDS = 45.0
+
+
+def recovery_deadline(job: ConversionJob, started: float, scoring_seconds: float) -> float | None:
+    """When the recovery must end for the job to keep its time limit: the final stages, timed from the source's
+    scoring, are set aside. None without a limit."""
+    if job.time_limit is None:
+        return None
+    return started + job.time_limit * 60 - FINAL_SCORING_FACTOR * scoring_seconds - FINAL_STAGES_SECONDS
+
+
+def recovery_within_limit(settings: FinetuneSettings, deadline: float | None, limit: float) -> FinetuneSettings | None:
+    """The recovery's settings with `max_minutes` cut to what remains before `deadline`; None when nothing does."""
+    if deadline is None:
+        return settings
+    remaining = (deadline - time.time()) / 60
+    if remaining < 0.25:
+        print(f"no time left for the recovery within the {limit:g}-minute limit: skipped")
+        return None
+    if settings.max_minutes is not None and settings.max_minutes <= remaining:
+        return settings
+    print(f"recovering for {remaining:.1f} minutes: what remains of the {limit:g}-minute limit")
+    return dataclasses.replace(settings, max_minutes=round(remaining, 2))
+
+
+@dataclass
+class Fitting:
+    """What the fitting stages left: the model kept, the stage selection, the layer-wise errors, the recovery."""
+
+    student: torch.nn.Module
+    stages: StageSelection
+    layers: list[dict]
+    finetune: dict | None = None
+
+
+def fit_stages(student, teacher, job: ConversionJob, text: TextData, calibration, scores: dict, deadline) -> Fitting:
+    """The layer-wise fit, then the recovery (within the time limit's `deadline`), each kept only if it lowers the
+    loss on the blocks held aside; with `job.score_stages`, each stage's held-out scores are added to `scores`."""
+    if job.score_stages:
+        add_scores(scores, score_documents({"zero-shot": student}, text))
+    stages = StageSelection(text.selection)
+    stages.consider("zero-shot", student)
+    layers = reconstruct_layers(student, teacher, *layer_wise_inputs(calibration, text, job.reconstruction))
+    if layers:
+        if job.score_stages:
+            add_scores(scores, score_documents({"layer-wise": student}, text))
+        stages.consider("layer-wise", student)
+    settings = recovery_settings(job.finetune, text) if job.finetune is not None else None
+    if settings is not None:
+        settings = recovery_within_limit(settings, deadline, job.time_limit)
+    if settings is None:
+        return Fitting(student, stages, layers)
+    result = finetune(student, teacher, text.recovery, settings, text.held_out)
+    if job.score_stages:
+        add_scores(scores, score_documents({"fine-tuned": result.model}, text))
+    stages.consider("fine-tuned", result.model)
+    return Fitting(result.model, stages, layers, {**result_summary(result), **public_settings(settings)})
 
 
 def run_conversion(job: ConversionJob) -> dict:
@@ -281,23 +362,11 @@ def run_conversion(job: ConversionJob) -> dict:
     gate = []
     if job.reconstruction.gate_init == "least_squares":
         gate = fit_gate(student, teacher, calibration, plan, job.reconstruction.gate_shrinkage)
-    scores = score_documents({"source": teacher, **({"zero-shot": student} if job.score_stages else {})}, text)
-    stages = StageSelection(text.selection)
-    stages.consider("zero-shot", student)
-    layers = reconstruct_layers(student, teacher, *layer_wise_inputs(calibration, text, job.reconstruction))
-    if layers:
-        if job.score_stages:
-            add_scores(scores, score_documents({"layer-wise": student}, text))
-        stages.consider("layer-wise", student)
-    finetune_summary = None
-    if job.finetune is not None:
-        settings = recovery_settings(job.finetune, text)
-        result = finetune(student, teacher, text.recovery, settings, text.held_out)
-        student = result.model
-        if job.score_stages:
-            add_scores(scores, score_documents({"fine-tuned": student}, text))
-        stages.consider("fine-tuned", student)
-        finetune_summary = {**result_summary(result), **public_settings(settings)}
+    scoring = time.time()
+    scores = score_documents({"source": teacher}, text)
+    deadline = recovery_deadline(job, started, scoring_seconds=time.time() - scoring)
+    fitting = fit_stages(student, teacher, job, text, calibration, scores, deadline)
+    student, stages, layers, finetune_summary = fitting.student, fitting.stages, fitting.layers, fitting.finetune
     if stages.saved_stage not in scores["perplexity"]:  # the saved model is always scored
         add_scores(scores, score_documents({stages.saved_stage: student}, text))
 
