@@ -94,25 +94,33 @@ class EGMLACPUMLAImpl(CPUMLAImpl):
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         decode = attn_metadata.decode
-        seq_lens = decode.seq_lens.to(torch.long)
-        rows = request_rows(kv_c_and_k_pe_cache, decode.block_table, seq_lens)  # [B, T, r + dr]
-        scores = torch.bmm(q.to(rows.dtype), rows.transpose(1, 2)).float() * self.scale  # [B, H, T]
-        positions = torch.arange(rows.shape[1], device=rows.device)
-        scores = scores.masked_fill((positions[None] >= seq_lens[:, None])[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(rows.dtype)
-        return torch.bmm(probs, rows[..., : self.kv_lora_rank]).to(q.dtype), None
+        rows, valid = request_rows(kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens.to(torch.long))
+        # The query heads as rows of one head over the cached rows, which are the values too (their rope-key columns
+        # dropped after): SDPA's fused kernel reads the cache once.
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q.to(rows.dtype)[:, None],  # [B, 1, H, r + dr]
+            rows[:, None],  # [B, 1, T, r + dr]
+            rows[:, None],
+            attn_mask=valid[:, None, None],  # [B, 1, 1, T]
+            scale=self.scale,
+        )
+        return attended[:, 0, :, : self.kv_lora_rank].to(q.dtype), None
 
 
-def request_rows(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Each request's cached rows [R, T, width], gathered from the paged cache [blocks, block_size, width] by its
-    block table (T: the longest request); rows past a request's own length are zeros, since a reused block may hold
-    anything (NaN included) and a masked weight of 0 times NaN is NaN."""
+def request_rows(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's cached rows [R, T, width], gathered in one pass from the paged cache [blocks, block_size, width]
+    by its block table (T: the longest request), and which of them are its own [R, T]. Past a request's length its
+    first row stands in: it was written, so it is finite where a reused block may hold anything (NaN included, and
+    a masked weight of 0 times NaN is NaN)."""
     block_size, width = kv_cache.shape[-2], kv_cache.shape[-1]
     length = int(seq_lens.max())  # a host sync on a GPU; this backend is the CPU's
-    blocks = block_table[:, : -(-length // block_size)].to(torch.long)
-    rows = kv_cache.view(-1, block_size, width)[blocks].flatten(1, 2)[:, :length]
-    valid = torch.arange(length, device=rows.device)[None] < seq_lens[:, None]
-    return rows.masked_fill(~valid[..., None], 0)
+    positions = torch.arange(length, device=kv_cache.device)[None]
+    valid = positions < seq_lens[:, None]
+    positions = torch.where(valid, positions, 0)
+    slots = block_table.to(torch.long).gather(1, positions // block_size) * block_size + positions % block_size
+    return kv_cache.view(-1, width)[slots], valid
 
 
 def padded_queries(query: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,7 +165,7 @@ class RebuildingAttention(MLAAttention):
         """query [N, H, dq], rotated, over each request's cache; causal within the new tokens."""
         seq_lens = metadata.request_seq_lens.to(torch.long)
         starts = metadata.request_query_start_loc.to(torch.long)
-        rows = request_rows(kv_cache, metadata.request_block_table, seq_lens)  # [R, T, width]
+        rows, valid = request_rows(kv_cache, metadata.request_block_table, seq_lens)  # [R, T, width], [R, T]
         key, value = self.rebuild(rows)
         length = rows.shape[1]
         padded, request, place = padded_queries(query, starts)  # [R, S, H, dq]
@@ -166,7 +174,7 @@ class RebuildingAttention(MLAAttention):
         new_positions = (
             seq_lens[:, None, None] - query_lens + torch.arange(padded.shape[1], device=rows.device)[None, :, None]
         )
-        mask = (positions <= new_positions) & (positions < seq_lens[:, None, None])  # [R, S, T]
+        mask = (positions <= new_positions) & valid[:, None]  # [R, S, T]
         value = value.expand(-1, -1, key.shape[2], -1)  # the latents: one for every key head, not copied
         attended = torch.nn.functional.scaled_dot_product_attention(
             padded.transpose(1, 2).to(key.dtype),

@@ -256,6 +256,42 @@ def test_an_unserved_rope_type_is_refused_by_name(served):
     assert "rope_type 'dynamic' is not served" in result.get("error", "")
 
 
+# Run in the vLLM venv: the plugin's decode over a paged cache whose unused slots hold NaN (a reused block may hold
+# anything), for requests of unequal lengths, against attention over each request's own rows.
+PAGED_DECODE_CHECK = """
+import torch
+from egmla_vllm.attention import request_rows
+
+torch.manual_seed(0)
+block_size, width, rank, heads = 16, 12, 8, 3
+cache = torch.full((10, block_size, width), float("nan"))
+seq_lens = torch.tensor([5, 37, 16])
+block_table = torch.tensor([[7, 0, 0], [2, 9, 4], [1, 0, 0]])
+for request, length in enumerate(seq_lens.tolist()):
+    for position in range(length):
+        cache[block_table[request, position // block_size], position % block_size] = torch.randn(width)
+rows, valid = request_rows(cache, block_table, seq_lens)
+assert rows.shape == (3, 37, width) and torch.isfinite(rows).all() and valid.sum() == seq_lens.sum()
+query = torch.randn(3, heads, width)
+attended = torch.nn.functional.scaled_dot_product_attention(
+    query[:, None], rows[:, None], rows[:, None], attn_mask=valid[:, None, None], scale=0.3
+)[:, 0, :, :rank]
+for request, length in enumerate(seq_lens.tolist()):
+    own = rows[request, :length]
+    expected = torch.softmax(query[request] @ own.T * 0.3, dim=-1) @ own[:, :rank]
+    torch.testing.assert_close(attended[request], expected)
+print("OK")
+"""
+
+
+def test_the_paged_decode_reads_each_requests_own_rows_past_nan_slots(vllm_python):
+    done = subprocess.run(
+        [vllm_python, "-c", PAGED_DECODE_CHECK], capture_output=True, text=True, env={**os.environ, **VLLM_ENV},
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-4000:]
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
