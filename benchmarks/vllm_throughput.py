@@ -7,7 +7,9 @@ for vLLM's own Llama; each OUT is an egmla folder converted from it. For each co
 model serves the same prompts (256-token windows of the embedded TinyStories excerpt) for 128 greedy tokens under the
 same `VLLM_CPU_KVCACHE_SPACE` (the tests' 1 GiB: at 64 sequences the fp32 source's cache, 46 KB a token, does not
 hold them all at once, the conversion's does), fp32. Tokens/s are the generated tokens over the whole `generate`
-call, prompts' prefill included. Every round runs all engines one after another in one worker process (vLLM's
+call, prompts' prefill included; the prefill alone is timed before it (the same prompts, one new token each, the
+prefix cache emptied around it), and the tokens after each prompt's first over the time left after the prefill
+give the decode's tokens/s. Every round runs all engines one after another in one worker process (vLLM's
 start-up is paid once per round), `--rounds` rounds; the medians and their ratios to the source are printed.
 """
 
@@ -78,7 +80,7 @@ def main() -> None:
         requests = {
             f"{name} @ {count}": {
                 "folder": str(folder), "prompts": prompts[:count], "max_tokens": args.max_tokens, "logprobs": 0,
-                "max_model_len": args.prompt_tokens + args.max_tokens, "max_num_seqs": count,
+                "max_model_len": args.prompt_tokens + args.max_tokens, "max_num_seqs": count, "time_prefill": True,
             }
             for count in args.sequences
             for name, folder in folders.items()
@@ -86,15 +88,27 @@ def main() -> None:
         rounds = [serve_round(python, requests) for _ in range(args.rounds)]
     print(f"{args.prompt_tokens}-token prompts, {args.max_tokens} greedy tokens each, fp32, "
           f"VLLM_CPU_KVCACHE_SPACE={VLLM_ENV['VLLM_CPU_KVCACHE_SPACE']} GiB, {args.rounds} rounds")  # fmt: skip
-    print("| sequences | model | tokens/s (median) | vs source | KV bytes/token |\n|---|---|---|---|---|")
+    print(
+        "| sequences | model | tokens/s (median) | vs source | prefill s | decode tokens/s after it | vs source | "
+        "KV bytes/token |\n|---|---|---|---|---|---|---|---|"
+    )
     for count in args.sequences:
-        speeds = {
-            name: statistics.median(r[f"{name} @ {count}"]["tokens_per_second"] for r in rounds) for name in folders
-        }
-        baseline = speeds[next(iter(folders))]
-        for name, speed in speeds.items():
+        cells = {name: median_cells([r[f"{name} @ {count}"] for r in rounds]) for name in folders}
+        baseline = cells[next(iter(folders))]
+        for name, cell in cells.items():
             kv_bytes = rounds[0][f"{name} @ {count}"]["kv_bytes_per_token"]
-            print(f"| {count} | {name} | {speed:.1f} | {speed / baseline:.2f}x | {kv_bytes:,} |")
+            print(
+                f"| {count} | {name} | {cell['tokens_per_second']:.1f} | "
+                f"{cell['tokens_per_second'] / baseline['tokens_per_second']:.2f}x | {cell['prefill_seconds']:.1f} | "
+                f"{cell['decode_tokens_per_second']:.1f} | "
+                f"{cell['decode_tokens_per_second'] / baseline['decode_tokens_per_second']:.2f}x | {kv_bytes:,} |"
+            )
+
+
+def median_cells(results: list[dict]) -> dict:
+    """The medians over rounds of the whole call's tokens/s, the prefill's seconds and the tokens/s after it."""
+    names = ("tokens_per_second", "prefill_seconds", "decode_tokens_per_second")
+    return {name: statistics.median(result[name] for result in results) for name in names}
 
 
 if __name__ == "__main__":

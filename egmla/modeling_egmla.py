@@ -990,12 +990,7 @@ def blocked_attention(
     absorbs_values = module.gate_position != "kv" or module.gate_embedding_proj is None
     if absorbs_values:
         kv_weight, up_value = kv_weight.split([module.rebuilt_key_dim, module.v_head_dim], dim=1)
-    if attention_mask is None and query_length > 1:
-        attention_mask = causal_mask(query_length, key_length, latent.device)
-    if attention_mask is not None:  # [.., S, T] -> [.., M, T]: the same mask for every head of a group
-        group = heads // key_heads
-        attention_mask = attention_mask.unsqueeze(-3).expand(*attention_mask.shape[:-2], group, query_length, -1)
-        attention_mask = attention_mask.flatten(-3, -2)
+    attention_mask = key_head_mask(attention_mask, heads // key_heads, query_length, key_length, latent.device)
     rows = query.shape[2]
     running_max = q_nope.new_full((batch_size, key_heads, rows, 1), float("-inf"), dtype=torch.float32)
     running_sum = torch.zeros_like(running_max)
@@ -1034,6 +1029,19 @@ def blocked_attention(
         output = torch.einsum("bgmr,gvr->bgmv", output, up_value.float())
     output = output.reshape(batch_size, heads, query_length, -1)  # the rows back to their query heads
     return output.to(q_nope.dtype).transpose(1, 2), None
+
+
+def key_head_mask(
+    attention_mask: torch.Tensor | None, group: int, query_length: int, key_length: int, device: torch.device
+) -> torch.Tensor | None:
+    """The mask [.., S, T] as `key_head_rows` lays the queries out, [.., M, T]: the same for every query head of a
+    key head's group; causal for several new tokens without one; None for one new token without one."""
+    if attention_mask is None and query_length > 1:
+        attention_mask = causal_mask(query_length, key_length, device)
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask.unsqueeze(-3).expand(*attention_mask.shape[:-2], group, query_length, -1)
+    return attention_mask.flatten(-3, -2)
 
 
 def key_head_rows(states: torch.Tensor, key_heads: int) -> torch.Tensor:

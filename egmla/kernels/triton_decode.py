@@ -27,6 +27,11 @@ def block(width: int) -> int:
     return max(16, triton.next_power_of_2(max(width, 1)))
 
 
+def tile_widths(**widths: int) -> dict[str, int]:
+    """The kernels' BLOCK_<NAME> arguments: each width's tile (`block`)."""
+    return {f"BLOCK_{name}": block(width) for name, width in widths.items()}
+
+
 def split_size_for(key_length: int, rows: int, block_t: int, target_programs: int = 264) -> int:
     """Positions per program: enough splits that rows x splits fills the GPU (about two programs per SM)."""
     splits = max(1, min(math.ceil(target_programs / max(rows, 1)), math.ceil(key_length / block_t)))
@@ -420,13 +425,7 @@ def decode_kv(
         PRECISION=precision(dtype),
         UPCAST=INTERPRETED,
         BLOCK_T=block_t,
-        BLOCK_DN=block(nope_dim),
-        BLOCK_DV=block(value_dim),
-        BLOCK_DR=block(rope_dim),
-        BLOCK_DH=block(rope_dim // 2),
-        BLOCK_R=block(rank),
-        BLOCK_DE=block(gate_dim),
-        BLOCK_DO=block(out_dim),
+        **tile_widths(DN=nope_dim, DV=value_dim, DR=rope_dim, DH=rope_dim // 2, R=rank, DE=gate_dim, DO=out_dim),
     )
     result = merge_splits(acc, running_max, running_sum).view(batch_size, heads, query_length, out_dim)
     if absorb_values:  # W^{UV} per head, once per query instead of once per cached position
@@ -476,8 +475,7 @@ def decode_latent(
         UPCAST=INTERPRETED,
         BLOCK_M=block_m,
         BLOCK_T=block_t,
-        BLOCK_R=block(rank),
-        BLOCK_RW=block(rope_width),
+        **tile_widths(R=rank, RW=rope_width),
     )
     result = merge_splits(acc, running_max, running_sum).view(batch_size, heads, query_length, rank)
     result = result.to(query_latent.dtype)

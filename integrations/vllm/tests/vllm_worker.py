@@ -1,6 +1,7 @@
 """Runs vLLM engines on folders, one after another in this process (starting Python and importing vLLM costs
 about 20 s on 2 cores, an engine on a tiny folder 3 s), and prints one JSON line per request: greedy tokens and
-their logprobs, the KV bytes per token vLLM allocates, the decode tokens/s, or the error the engine raised.
+their logprobs, the KV bytes per token vLLM allocates, the tokens/s (with `time_prefill`, also the prefill's
+seconds and the tokens/s after it), or the error the engine raised.
 
     python vllm_worker.py REQUESTS_JSON_FILE   # {"name": {"folder": ..., "prompts": [[ids]], "max_tokens": N}, ...}
 
@@ -44,6 +45,13 @@ def serve(request: dict) -> dict:
     params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, logprobs=logprobs)
     prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm-up
+    prefill = None
+    if request.get("time_prefill"):  # the prompts' prefill alone (one new token each), before the whole call
+        llm.reset_prefix_cache()  # so that neither call finds the prompts already cached
+        started = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+        prefill = time.perf_counter() - started
+        llm.reset_prefix_cache()
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - started
@@ -58,6 +66,9 @@ def serve(request: dict) -> dict:
         "kv_bytes_per_token": kv_bytes_per_token(llm),
         "tokens_per_second": sum(len(ids) for ids in tokens) / elapsed,
     }
+    if prefill is not None:  # the tokens after each prompt's first, over the time after the prefill
+        result["prefill_seconds"] = prefill
+        result["decode_tokens_per_second"] = sum(len(ids) - 1 for ids in tokens) / max(elapsed - prefill, 1e-9)
     del llm
     return result
 
