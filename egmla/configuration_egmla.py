@@ -316,14 +316,10 @@ class EGMLAConfig(PreTrainedConfig):
 
     def validate_layer_type(self):
         """Our cache layer type is not one of transformers' built-in ones, so the base check cannot be used."""
-        if self.layer_types is None:
-            return
-        if any(layer_type != EGMLA_LAYER_TYPE for layer_type in self.layer_types):
-            raise ValueError(f"`layer_types` entries must all be {EGMLA_LAYER_TYPE!r}, got {self.layer_types}.")
-        if len(self.layer_types) != self.num_hidden_layers:
+        if self.layer_types is not None and self.layer_types != [EGMLA_LAYER_TYPE] * self.num_hidden_layers:
             raise ValueError(
-                f"`layer_types` has {len(self.layer_types)} entries but `num_hidden_layers` is "
-                f"{self.num_hidden_layers}."
+                f"`layer_types` must be {EGMLA_LAYER_TYPE!r} for each of the {self.num_hidden_layers} layers "
+                f"(`num_hidden_layers`), got {self.layer_types}."
             )
 
 

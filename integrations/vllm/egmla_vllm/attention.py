@@ -14,12 +14,18 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionLayer, MultipleOf
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
 
 # The cache rows vLLM's own MLA kernels take: a 64-wide rope key after a latent of 256, 448 or 512 (DeepSeek's
 # layouts; its MLA metadata checks the sum, 320, 512 or 576), and on the CPU only 512 + 64.
 NATIVE_ROPE_WIDTH = 64
 NATIVE_LATENT_WIDTHS = (256, 448, 512)
 NATIVE_CPU_LATENT_WIDTH = 512
+
+
+def prefill_backend() -> type | None:
+    """The MLA prefill: on the CPU ours (one SDPA call for the whole batch), elsewhere vLLM's choice (None)."""
+    return EGMLAPrefillBackend if current_platform.is_cpu() else None
 
 
 def latent_backend(latent_width: int, tail_width: int, rebuilds: bool = False) -> type | None:
@@ -132,6 +138,31 @@ def padded_queries(query: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Ten
     padded = query.new_zeros(len(query_lens), int(query_lens.max()), *query.shape[1:])
     padded[request, place] = query
     return padded, request, place
+
+
+class EGMLAPrefillBackend(CPUSDPAMLAPrefillBackend):
+    """vLLM's CPU MLA prefill (the expanded MHA over the new tokens), with every request's new tokens attended in one
+    SDPA call over a layout padded to the longest request (its fused kernel: 18.6 ms against 23.5 for the loop, 8
+    requests of 256 tokens, SmolLM2's shapes), instead of one unfused attention per request in a Python loop.
+    Context chunks, which need the softmax's log-sum-exp to merge, stay vLLM's."""
+
+    def _ragged_sdpa(self, q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_softmax_lse):
+        """q, k, v [N, heads, d], ragged by `q_cu_seq_lens` [R + 1]; returns [N, heads, dv]."""
+        if return_softmax_lse or not causal or not torch.equal(q_cu_seq_lens, kv_cu_seq_lens):
+            return super()._ragged_sdpa(q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_softmax_lse)
+        starts = q_cu_seq_lens.to(torch.long)
+        query, request, place = padded_queries(q, starts)  # [R, S, heads, d]
+        key, value = padded_queries(k, starts)[0], padded_queries(v, starts)[0]
+        lengths = (starts[1:] - starts[:-1])[:, None, None]
+        positions = torch.arange(query.shape[1], device=q.device)
+        mask = (positions[None, None, :] <= positions[None, :, None]) & (positions[None, None, :] < lengths)
+        value_dim = value.shape[-1]  # padded with zeros to the keys' width: SDPA's fused kernel takes one width
+        value = torch.nn.functional.pad(value, (0, max(key.shape[-1] - value_dim, 0)))
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None],
+            scale=self.scale,
+        )  # fmt: skip
+        return attended.transpose(1, 2)[request, place, :, :value_dim].to(v.dtype)
 
 
 class RebuildingAttention(MLAAttention):

@@ -23,7 +23,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaMLP
 from vllm.sequence import IntermediateTensors
 
-from .attention import RebuildingAttention, latent_backend
+from .attention import RebuildingAttention, latent_backend, prefill_backend
 from .config import EGMLAConfig
 
 
@@ -160,7 +160,7 @@ class EGMLAAttention(nn.Module):
         if not self.absorbs:
             up_values = None if self.caches_token_ids else self.up_values
             return RebuildingAttention(self.rebuild, up_values, **layer)
-        return MLAAttention(**layer)
+        return MLAAttention(**layer, prefill_backend_cls=prefill_backend())
 
     def project_query(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank is None:
