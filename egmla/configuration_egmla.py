@@ -259,52 +259,50 @@ class EGMLAConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         """The rules between fields (each field's own rule is declared on it); every error names its field."""
-        ranks = (
-            self.kv_lora_rank if isinstance(self.kv_lora_rank, list) else [self.kv_lora_rank] * self.num_hidden_layers
+        layers, frequencies = self.num_hidden_layers, self.rope_frequency_dim or self.qk_rope_head_dim
+        ranks = self.kv_lora_rank
+        require(
+            not isinstance(ranks, list) or len(ranks) == layers, f"`kv_lora_rank` lists {ranks} for {layers} layers."
         )
-        if len(ranks) != self.num_hidden_layers:
-            raise ValueError(f"`kv_lora_rank` lists {len(ranks)} ranks for {self.num_hidden_layers} layers.")
         for name, within in (("num_key_value_heads", "num_attention_heads"), ("rope_key_heads", "num_key_value_heads")):
-            if getattr(self, within) % getattr(self, name):
-                raise ValueError(
-                    f"`{name}` ({getattr(self, name)}) must divide `{within}` ({getattr(self, within)}): each key "
-                    "head, and each rope key, serves an equal group of query heads."
-                )
-        if self.num_hidden_layers % self.gate_layers_per_table:
-            raise ValueError(
-                f"`gate_layers_per_table` ({self.gate_layers_per_table}) must divide `num_hidden_layers` "
-                f"({self.num_hidden_layers}): every gate table serves an equal group of layers."
+            require(
+                getattr(self, within) % getattr(self, name) == 0,
+                f"`{name}` ({getattr(self, name)}) must divide `{within}` ({getattr(self, within)}): each key head, "
+                "and each rope key, serves an equal group of query heads.",
             )
-        if self.rope_mode == "exact" and (self.rope_key_heads != 1 or self.rope_frequency_indices is not None):
-            raise ValueError(
-                "`rope_mode` 'exact' rotates every head's rebuilt key with the first qk_rope_head_dim // 2 "
-                f"frequencies: it takes rope_key_heads=1 and no rope_frequency_indices (got {self.rope_key_heads}, "
-                f"{self.rope_frequency_indices})."
-            )
-        self.validate_rope_frequencies()
+        require(
+            layers % self.gate_layers_per_table == 0,
+            f"`gate_layers_per_table` ({self.gate_layers_per_table}) must divide `num_hidden_layers` ({layers}): "
+            "every gate table serves an equal group of layers.",
+        )
+        require(
+            self.rope_mode != "exact" or (self.rope_key_heads == 1 and self.rope_frequency_indices is None),
+            "`rope_mode` 'exact' rotates every head's rebuilt key with the first qk_rope_head_dim // 2 frequencies: "
+            f"it takes rope_key_heads=1 and no rope_frequency_indices (got {self.rope_key_heads}, "
+            f"{self.rope_frequency_indices}).",
+        )
+        indices, pairs = self.rope_frequency_indices, self.qk_rope_head_dim // 2
+        shape = [[pairs] * self.rope_key_heads] * layers  # of the indices: per layer, per rope key, per pair
+        require(
+            indices is not None or frequencies >= self.qk_rope_head_dim,  # the pairs take the first frequencies
+            f"`rope_frequency_dim` ({frequencies}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim}) unless "
+            "`rope_frequency_indices` says which frequency each pair uses.",
+        )
+        require(
+            indices is None or [[len(head) for head in layer] for layer in indices] == shape,
+            f"`rope_frequency_indices` must hold, for each of the {layers} layers, {self.rope_key_heads} lists (one "
+            f"per rope key head) of {pairs} frequency indices, got {indices}.",
+        )
+        require(
+            indices is None or all(0 <= i < frequencies // 2 for layer in indices for head in layer for i in head),
+            f"`rope_frequency_indices` must lie in [0, rope_frequency_dim // 2 = {frequencies // 2}).",
+        )
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
-            if any(token_id is not None and not 0 <= token_id < self.vocab_size for token_id in _as_list(value)):
-                raise ValueError(f"`{name}` must be None or lie in [0, vocab_size={self.vocab_size}), got {value}.")
-
-    def validate_rope_frequencies(self):
-        frequencies = (self.rope_frequency_dim or self.qk_rope_head_dim) // 2
-        indices, pairs = self.rope_frequency_indices, self.qk_rope_head_dim // 2
-        if indices is None and frequencies < pairs:  # the pairs take the first frequencies: there must be enough
-            raise ValueError(
-                f"`rope_frequency_dim` ({2 * frequencies}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim}) "
-                "unless `rope_frequency_indices` says which frequency each pair uses."
+            require(
+                all(token_id is None or 0 <= token_id < self.vocab_size for token_id in _as_list(value)),
+                f"`{name}` must be None or lie in [0, vocab_size={self.vocab_size}), got {value}.",
             )
-        if indices is None:
-            return
-        shape = [[len(head) for head in layer] for layer in indices]
-        if shape != [[pairs] * self.rope_key_heads] * self.num_hidden_layers:
-            raise ValueError(
-                f"`rope_frequency_indices` must hold, for each of the {self.num_hidden_layers} layers, "
-                f"{self.rope_key_heads} lists (one per rope key head) of {pairs} frequency indices, got {indices}."
-            )
-        if any(not 0 <= index < frequencies for layer in indices for head in layer for index in head):
-            raise ValueError(f"`rope_frequency_indices` must lie in [0, rope_frequency_dim // 2 = {frequencies}).")
 
     def to_dict(self) -> dict:
         """As saved: `layer_types` is left out while it is the default (every layer egmla's), so that tools that
@@ -321,6 +319,12 @@ class EGMLAConfig(PreTrainedConfig):
                 f"`layer_types` must be {EGMLA_LAYER_TYPE!r} for each of the {self.num_hidden_layers} layers "
                 f"(`num_hidden_layers`), got {self.layer_types}."
             )
+
+
+def require(condition: bool, message: str) -> None:
+    """A rule between fields: a `ValueError` with `message` (naming the fields) where it does not hold."""
+    if not condition:
+        raise ValueError(message)
 
 
 def _as_list(value) -> list:
