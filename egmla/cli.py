@@ -13,6 +13,7 @@ from .bench import converted, decode, figure, kv, train
 from .conversion import ConversionOptions
 from .conversion.pipeline import (
     CONVERT_DEFAULTS,
+    MAIN_JOB_TIME_LIMITS,
     RETROFIT_BY_TEXT,
     RETROFIT_DEFAULTS,
     ConversionJob,
@@ -89,9 +90,12 @@ def conversion_options(args: argparse.Namespace) -> ConversionOptions:
 def retrofit_arguments(args: argparse.Namespace) -> argparse.Namespace:
     """The flags with the retrofit's defaults that follow its text (RETROFIT_BY_TEXT) where they were not given;
     with --lora, which chooses what it trains, attention-only stays off unless asked for."""
-    chosen = dict(RETROFIT_BY_TEXT["text" if args.train_text else "data-free"])
+    text = "text" if args.train_text else "data-free"
+    chosen = dict(RETROFIT_BY_TEXT[text])
     if args.lora:
         chosen["attention_only"] = False
+    if args.source is None:  # the main job keeps its minutes; a source of any size runs its stages whole
+        chosen["time_limit"] = MAIN_JOB_TIME_LIMITS[text]
     given = {name: getattr(args, name) for name in chosen if getattr(args, name) is not None}
     return argparse.Namespace(**{**vars(args), **chosen, **given})
 
@@ -254,7 +258,7 @@ def add_retrofit(commands) -> None:
     retrofit.add_argument("--overwrite", action="store_true")
     retrofit.add_argument("--prompt", default="Once upon a time", help="prompt of the printed sample")
     add_card_options(retrofit)
-    add_job_options(retrofit, "20 with --train-text, 15 without")
+    add_job_options(retrofit, "with no source given, 20 with --train-text and 15 without; else none")
     add_conversion_options(retrofit)
     add_reconstruction_options(retrofit)
     add_text_options(retrofit)

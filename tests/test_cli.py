@@ -88,9 +88,9 @@ def test_a_choice_outside_a_fields_choices_is_refused_by_name():
     ("flags", "expected"),
     [
         ([], {"max_minutes": 4.5, "attention_only": False, "learning_rate": 1e-4, "reconstruction_steps": 200,
-              "time_limit": 15.0}),
+              "time_limit": None}),
         (["--train-text", "T.txt"], {"max_minutes": 7.0, "attention_only": True, "learning_rate": 2e-4,
-                                     "reconstruction_steps": 100, "time_limit": 20.0}),
+                                     "reconstruction_steps": 100, "time_limit": None}),
         (["--max-minutes", "2", "--learning-rate", "3e-4", "--time-limit", "30"],
          {"max_minutes": 2.0, "learning_rate": 3e-4, "time_limit": 30.0}),
     ],
@@ -98,8 +98,8 @@ def test_a_choice_outside_a_fields_choices_is_refused_by_name():
 )  # fmt: skip
 def test_retrofit_settings_follow_its_text_unless_given(monkeypatch, flags, expected):
     """`egmla retrofit` with text: a 100-step layer-wise fit and 7 minutes recovering the attention alone at 2e-4;
-    data-free: 200 steps and 4.5 minutes recovering the whole model at 1e-4; the whole job within 20 or 15 minutes; a
-    flag given wins. The fitting runs under bf16 autocast where it pays (`auto`)."""
+    data-free: 200 steps and 4.5 minutes recovering the whole model at 1e-4; a source given has no time limit (the
+    main job's is tested below); a flag given wins. The fitting runs under bf16 autocast where it pays (`auto`)."""
     import egmla.cli as cli
 
     jobs = []
@@ -110,6 +110,22 @@ def test_retrofit_settings_follow_its_text_unless_given(monkeypatch, flags, expe
     assert {name: settings[name] for name in expected} == expected and finetune.steps is None
     assert finetune.mixed_precision == "auto" and reconstruction.mixed_precision == "auto"
     assert jobs[0].text.sample_temperature == 0.8  # the data-free text, sampled cooler
+
+
+def test_the_main_job_keeps_its_minutes(monkeypatch):
+    """With no source (the main job), the recovery is shortened to fit 15 minutes (20 with text); `convert` takes a
+    limit only when given one."""
+    import egmla.cli as cli
+
+    jobs = []
+    monkeypatch.setattr(cli, "run_conversion", jobs.append)
+    monkeypatch.setattr(cli, "smollm2_gguf", lambda: "SMOLLM2.gguf")
+    cli.main(["retrofit", "--out", "OUT"])
+    cli.main(["retrofit", "--out", "OUT", "--train-text", "T.txt"])
+    cli.main(["retrofit", "--out", "OUT", "--time-limit", "30"])
+    cli.main(["convert", "SRC.gguf", "OUT", "--kv-cut", "0.5"])
+    cli.main(["convert", "SRC.gguf", "OUT", "--kv-cut", "0.5", "--time-limit", "12"])
+    assert [job.time_limit for job in jobs] == [15.0, 20.0, 30.0, None, 12.0]
 
 
 def test_a_flag_whose_default_is_true_can_be_turned_off(monkeypatch):
@@ -130,9 +146,6 @@ def test_retrofit_refuses_a_recovery_of_no_minutes(monkeypatch):
     monkeypatch.setattr(cli, "run_conversion", lambda job: None)
     with pytest.raises(SystemExit, match="max_minutes must be positive"):
         cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--max-minutes", "0"])
-    with pytest.raises(SystemExit, match="time_limit must be positive"):
-        cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--time-limit", "-1"])
-    jobs = []
-    monkeypatch.setattr(cli, "run_conversion", jobs.append)
-    cli.main(["convert", "SRC.gguf", "OUT", "--kv-cut", "0.5", "--time-limit", "12"])
-    assert jobs[0].time_limit == 12.0
+    for minutes in ("-1", "nan"):
+        with pytest.raises(SystemExit, match="time_limit must be positive"):
+            cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--time-limit", minutes])

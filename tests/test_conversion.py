@@ -619,10 +619,10 @@ def test_the_recovery_gets_what_remains_of_the_time_limit():
     assert recovery_deadline(dataclasses.replace(job, time_limit=None), now, 60.0) is None
     assert recovery_within_limit(settings, None, 15.0) is settings
     deadline = recovery_deadline(job, started=now - 8 * 60, scoring_seconds=60.0)  # 8 of 15 minutes spent
-    assert deadline == pytest.approx(now + 7 * 60 - 1.25 * 60 - 45, abs=1e-6)
-    assert recovery_within_limit(settings, deadline, 15.0) is settings  # 4.5 minutes fit in the 5 left
+    assert deadline == pytest.approx(now + 7 * 60 - 1.35 * 60 - 45, abs=1e-6)
+    assert recovery_within_limit(settings, deadline, 15.0) is settings  # 4.5 minutes fit in the 4.9 left
     cut = recovery_within_limit(settings, recovery_deadline(job, now - 11 * 60, 60.0), 15.0)
-    assert cut.max_minutes == pytest.approx(4 - 1.25 - 0.75, abs=0.02) and cut.steps is None
+    assert cut.max_minutes == pytest.approx(4 - 1.35 - 0.75, abs=0.02) and cut.steps is None
     assert recovery_within_limit(settings, recovery_deadline(job, now - 14 * 60, 60.0), 15.0) is None
     with pytest.raises(ValueError, match="time_limit must be positive"):
         ConversionJob("SRC", "OUT", ConversionOptions(kv_cut=0.5), TextSettings(), time_limit=0)
