@@ -72,7 +72,6 @@ RETROFIT_DEFAULTS = {
     "batch_size": 4,
     "mixed_precision": "auto",
     **dict.fromkeys(RETROFIT_BY_TEXT["text"]),  # None: chosen by whether text is given, unless a flag is
-    "time_limit": None,  # MAIN_JOB_TIME_LIMITS for the main job; none for a source given
 }
 # `egmla convert` recovers on the calibration text when one is given (`--steps 0` turns it off): a decoupled rope
 # key loses what only training on text gives back, and a few minutes of it are most of the gain.
