@@ -25,7 +25,7 @@ from .conversion.pipeline import (
 )
 from .conversion.reconstruction import ReconstructionSettings
 from .data import smollm2_gguf
-from .options import add_fields
+from .options import Placement, add_fields
 from .quickstart import QuickstartSettings, run_quickstart
 from .training import FinetuneSettings
 
@@ -115,6 +115,7 @@ def retrofit_command(args: argparse.Namespace) -> None:
         base_model=args.base_model,
         license=args.license,
         time_limit=args.time_limit,
+        placement=from_args(Placement, args),
     )
     run_conversion(job)
 
@@ -137,6 +138,7 @@ def convert_command(args: argparse.Namespace) -> None:
         base_model=args.base_model,
         license=args.license,
         time_limit=args.time_limit,
+        placement=from_args(Placement, args),
     )
     run_conversion(job)
 
@@ -145,13 +147,24 @@ def finetune_command(args: argparse.Namespace) -> None:
     checkpoint_dir = args.checkpoint_dir or args.out.with_name(args.out.name + ".checkpoints")
     settings = from_args(FinetuneSettings, args, checkpoint_dir=checkpoint_dir)
     text = from_args(TextSettings, args)
+    placement = from_args(Placement, args)
     run_finetune(
-        FinetuneJob(args.student, args.teacher, args.out, text, settings, args.overwrite, args.base_model, args.license)
+        FinetuneJob(
+            args.student,
+            args.teacher,
+            args.out,
+            text,
+            settings,
+            args.overwrite,
+            args.base_model,
+            args.license,
+            placement,
+        )
     )
 
 
 def ppl_command(args: argparse.Namespace) -> None:
-    run_ppl(args.model, args.eval_text, args.block_size, args.max_blocks)
+    run_ppl(args.model, args.eval_text, args.block_size, args.max_blocks, from_args(Placement, args))
 
 
 def quickstart_command(args: argparse.Namespace) -> None:
@@ -259,6 +272,7 @@ def add_retrofit(commands) -> None:
     retrofit.add_argument("--prompt", default="Once upon a time", help="prompt of the printed sample")
     add_card_options(retrofit)
     add_job_options(retrofit, "with no source given, 20 with --train-text and 15 without; else none")
+    add_fields(retrofit, Placement)
     add_conversion_options(retrofit)
     add_reconstruction_options(retrofit)
     add_text_options(retrofit)
@@ -278,6 +292,7 @@ def add_convert(commands) -> None:
     convert.add_argument("--overwrite", action="store_true")
     add_card_options(convert)
     add_job_options(convert, "none")
+    add_fields(convert, Placement)
     add_conversion_options(convert)
     add_reconstruction_options(convert)
     add_text_options(convert)
@@ -294,6 +309,7 @@ def add_finetune(commands) -> None:
     tune.add_argument("--resume", action="store_true", help="continue from the checkpoints in --checkpoint-dir")
     tune.add_argument("--checkpoint-dir", type=Path, default=None, help="default: OUT.checkpoints")
     add_card_options(tune)
+    add_fields(tune, Placement)
     add_text_options(tune)
     add_training_options(tune)
     tune.set_defaults(handler=finetune_command)
@@ -305,6 +321,7 @@ def add_ppl(commands) -> None:
     ppl.add_argument("--eval-text", "--text", type=Path, required=True)
     ppl.add_argument("--block-size", type=int, default=256)
     ppl.add_argument("--max-blocks", type=int, default=None)
+    add_fields(ppl, Placement)
     ppl.set_defaults(handler=ppl_command)
 
 

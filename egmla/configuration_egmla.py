@@ -148,6 +148,9 @@ class EGMLAConfig(PreTrainedConfig):
             the model is moved or loaded; each forward moves over only the rows of the distinct tokens it sees.
             Also a load-time option: `from_pretrained(folder, offload_gate_tables=True)`.
         kv_latent_norm: RMSNorm on the latent before caching (DeepSeek's `kv_a_layernorm`).
+        attention_bias: biases on the query projection (`q_proj`, or `q_a_proj`), the latent and rope key
+            (`kv_a_proj_with_mqa`) and the output (`o_proj`), as DeepSeek-V3's; a Qwen2 source's q/k/v biases are
+            converted into them.
         rope_parameters: transformers rope parameters (`rope_type` default, linear, dynamic, yarn, llama3, ...).
         rope_frequency_dim: rotary width whose frequencies the rope dims use (None = `qk_rope_head_dim`). A model
             retrofitted from Llama keeps the source's `head_dim` here, so its kept pairs rotate exactly as before.
@@ -186,6 +189,7 @@ class EGMLAConfig(PreTrainedConfig):
     gate_layers_per_table: int = validated_field(positive, default=1)
     offload_gate_tables: bool = False
     kv_latent_norm: bool = True
+    attention_bias: bool = False
     hidden_act: str = validated_field(activation, default="silu")
     max_position_embeddings: int = validated_field(positive, default=2048)
     initializer_range: float = validated_field(non_negative, default=0.02)

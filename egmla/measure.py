@@ -10,6 +10,7 @@ from .modeling_egmla import cache_nbytes
 def cache_after_generate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[Cache, int]:
     """Greedy-generates `new_tokens` after `prompt` [B, S]; returns the cache and how many tokens it holds
     (B * (S + new_tokens - 1): the last sampled token never enters the cache)."""
+    prompt = prompt.to(model.device)
     out = model.generate(
         prompt,
         attention_mask=torch.ones_like(prompt),

@@ -668,20 +668,22 @@ class EGMLAAttention(nn.Module):
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads  # query heads per key head (GQA)
 
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.qk_head_dim, bias=config.attention_bias)
         else:
-            self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+            self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=config.attention_bias)
             self.q_a_layernorm = EGMLARMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
             self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
 
-        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, self.kv_lora_rank + self.rope_key_width, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            config.hidden_size, self.kv_lora_rank + self.rope_key_width, bias=config.attention_bias
+        )
         self.kv_a_layernorm = (
             EGMLARMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_latent_norm else None
         )
         self.kv_b_proj = nn.Linear(
             self.kv_lora_rank, self.num_key_value_heads * (self.rebuilt_key_dim + self.v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, config.hidden_size, bias=config.attention_bias)
 
         # W^{UE}: gate embedding -> gate over what it multiplies (per-head K/V, or the latent); starts at zero.
         self.gate_embedding_proj = None

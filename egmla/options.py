@@ -9,6 +9,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import torch
+
 
 def option(default: Any, help: str, choices: tuple | None = None, flags: tuple[str, ...] = ()) -> Any:
     """A dataclass field with its flag's help, its allowed values (checked by `check_choices` too) and aliases."""
@@ -46,3 +48,44 @@ def add_fields(
             continue
         choices = field.metadata["choices"]
         parser.add_argument(*flags, type=kind, default=field.default, choices=choices, help=help_text)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a command's models run and in which dtype. Calibration statistics and factorizations are accumulated
+    in float32/float64 on the host whatever the weights' dtype; a conversion saves its output in this dtype."""
+
+    device: str = option(
+        "auto", "where the models run: auto (this process's accelerator when there is one, else cpu), cpu, cuda:1, ..."
+    )
+    dtype: str = option("float32", "the weights' dtype (the saved output's too)", DTYPES)
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as error:
+                raise ValueError(
+                    f"device must be 'auto' or a torch device ('cpu', 'cuda', 'cuda:1', ...), got {self.device!r}."
+                ) from error
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def torch_device(self) -> torch.device:
+        """The device itself: "auto" as accelerate places this process (cuda:LOCAL_RANK under `accelerate launch`)."""
+        if self.device == "auto":
+            from accelerate import PartialState  # lazily: `import egmla` stays light
+
+            return PartialState().device
+        device = torch.device(self.device)
+        if device.type != "cpu" and (
+            not torch.accelerator.is_available() or torch.accelerator.current_accelerator().type != device.type
+        ):
+            raise ValueError(f"device {self.device!r} is not available on this machine (use 'cpu' or 'auto').")
+        return device

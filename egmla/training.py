@@ -249,8 +249,10 @@ def fitting_autocast(mixed_precision: str, device: torch.device, hidden_size: in
 
 def prepare_run(student: EGMLAForCausalLM, settings: FinetuneSettings) -> Run:
     """LoRA or the parameters to train, AdamW with warm-up and cosine decay, all prepared by accelerate."""
-    # One scheduler step per optimizer step, however many processes (accelerate would step it once per process).
-    accelerator = Accelerator(step_scheduler_with_optimizer=False)
+    # One scheduler step per optimizer step, however many processes (accelerate would step it once per process);
+    # a student placed on the CPU beside an accelerator (`--device cpu`) trains there.
+    on_cpu = student.device.type == "cpu" and torch.accelerator.is_available()
+    accelerator = Accelerator(step_scheduler_with_optimizer=False, cpu=on_cpu)
     if accelerator.num_processes > 1 and getattr(student.config, "offload_gate_tables", False):
         raise ValueError(
             "offload_gate_tables trains in one process only (DDP and FSDP expect every parameter on the "

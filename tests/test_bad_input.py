@@ -6,10 +6,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
 from egmla.cli import main
-from tests.utils import FAST, STORIES260K, llama_folder, tiny_llama, tiny_model, with_tokenizer
+from tests.utils import (
+    FAST,
+    STORIES260K,
+    llama_folder,
+    tiny_llama,
+    tiny_model,
+    tiny_source,
+    tiny_values,
+    with_tokenizer,
+)
 from tests.utils import folder_digest as digest
 
 
@@ -18,8 +27,14 @@ def not_a_llama(tmp: Path) -> tuple[Path, list[str]]:
     return with_tokenizer(tmp / "src"), FAST
 
 
-def llama_with_biases(tmp: Path) -> tuple[Path, list[str]]:
-    return llama_folder(tmp / "src", attention_bias=True), FAST
+def mistral_with_a_short_window(tmp: Path) -> tuple[Path, list[str]]:
+    tiny_source("mistral", vocab_size=512, sliding_window=32).save_pretrained(tmp / "src")
+    return with_tokenizer(tmp / "src"), FAST
+
+
+def a_qk_norm_model(tmp: Path) -> tuple[Path, list[str]]:
+    Qwen3ForCausalLM(Qwen3Config(**tiny_values(vocab_size=512))).save_pretrained(tmp / "src")
+    return with_tokenizer(tmp / "src"), FAST
 
 
 def missing_weights(tmp: Path) -> tuple[Path, list[str]]:
@@ -77,7 +92,8 @@ def nan_weights(tmp: Path) -> tuple[Path, list[str]]:
 # (README row, the setup, the error it must name)
 CONVERSION_ROWS = [
     ("a folder that is not a Llama", not_a_llama, "'gpt2' checkpoint; only Llama"),
-    ("a Llama with attention biases", llama_with_biases, "attention biases"),
+    ("a sliding window shorter than the context", mistral_with_a_short_window, "sliding-window attention"),
+    ("a QK-norm model (Qwen3, Gemma3)", a_qk_norm_model, "'qwen3' checkpoint.*QK-norm"),
     ("missing weights", missing_weights, "Could not read the weights.*model.safetensors"),
     ("corrupt weights", corrupt_weights, "Could not read the weights.*re-download"),
     ("a tokenizer missing", missing_tokenizer, "Could not load a tokenizer.*tokenizer files"),

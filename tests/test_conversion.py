@@ -234,8 +234,8 @@ def test_refuses_what_it_cannot_convert(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="'gpt2' checkpoint; only Llama"):
         load_llama(tmp_path / "gpt2")
-    with pytest.raises(ValueError, match="attention biases"):
-        load_llama(tiny_llama(attention_bias=True))
+    with pytest.raises(ValueError, match="MLP biases"):
+        load_llama(tiny_llama(mlp_bias=True))
     teacher = tiny_llama()
     with pytest.raises(ValueError, match=r"rank must lie in \[1, 56\]"):
         convert_llama_to_egmla(

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from egmla import EGMLAConfig, EGMLAForCausalLM
 
@@ -93,6 +101,11 @@ def tiny_model(seed: int = 0, base: dict = TINY, gate_std: float = 0.2, **overri
 def tiny_llama(rope_parameters: dict | None = None, **overrides) -> LlamaForCausalLM:
     """A random GQA Llama (8 query heads, 2 KV heads) to convert."""
     torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**tiny_values(rope_parameters, **overrides))).eval()
+
+
+def tiny_values(rope_parameters: dict | None = None, **overrides) -> dict:
+    """The config values of `tiny_llama`'s shape, for any family's config class."""
     values = {
         "vocab_size": 96,
         "hidden_size": 64,
@@ -107,7 +120,29 @@ def tiny_llama(rope_parameters: dict | None = None, **overrides) -> LlamaForCaus
         "rope_parameters": rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
     }
     values.update(overrides)
-    return LlamaForCausalLM(LlamaConfig(**values)).eval()
+    return values
+
+
+SOURCE_FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "llama-bias": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
+
+
+def tiny_source(family: str, rope_parameters: dict | None = None, **overrides) -> PreTrainedModel:
+    """A random GQA model of a convertible family, shaped as `tiny_llama`: "llama", "llama-bias" (attention_bias),
+    "mistral" or "qwen2" (q/k/v biases); biases drawn at random, not left at their zero initialization."""
+    config_class, model_class = SOURCE_FAMILIES[family]
+    values = tiny_values(rope_parameters, **({"attention_bias": True} if family == "llama-bias" else {}), **overrides)
+    torch.manual_seed(0)
+    model = model_class(config_class(**values)).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(std=0.5)
+    return model
 
 
 def needs_shared(path: Path) -> None:

@@ -44,22 +44,22 @@ def filled_cache(model: torch.nn.Module, cache_kind: str, batch_size: int, conte
     """A cache holding `context` random positions per layer, shaped as the model's own (learned from a 2-token
     forward), with random token ids where the model keeps them."""
     generator = torch.Generator().manual_seed(seed)
-    probe = model(
-        torch.randint(0, min(100, model.config.vocab_size), (batch_size, 2), generator=generator), use_cache=True
-    ).cache
+    ids = torch.randint(0, min(100, model.config.vocab_size), (batch_size, 2), generator=generator)
+    probe = model(ids.to(model.device), use_cache=True).cache
     if cache_kind == "static":
         cache = StaticCache(config=model.config, max_cache_len=context + 8)
     else:
         cache = DynamicCache(config=model.config)
     per_token = getattr(cache.layers[0], "append_per_token", None)
     if per_token is not None and probe.layers[0].token_ids is not None:
-        per_token("token_ids", torch.randint(0, model.config.vocab_size, (batch_size, context), generator=generator))
+        ids = torch.randint(0, model.config.vocab_size, (batch_size, context), generator=generator)
+        per_token("token_ids", ids.to(model.device))
     if per_token is not None and probe.layers[0].positions is not None:  # rebuilt keys turn by their positions
-        per_token("positions", torch.arange(context).expand(batch_size, context))
+        per_token("positions", torch.arange(context, device=model.device).expand(batch_size, context))
     for layer_idx, layer in enumerate(probe.layers):
         keys = torch.randn(*layer.keys.shape[:2], context, layer.keys.shape[-1], generator=generator)
         values = torch.randn(*layer.values.shape[:2], context, layer.values.shape[-1], generator=generator)
-        cache.update(keys, values, layer_idx)
+        cache.update(keys.to(layer.keys), values.to(layer.values), layer_idx)  # the model's device and dtype
     return cache
 
 
@@ -82,7 +82,9 @@ def decode_state(model: torch.nn.Module, cache_kind: str, batch_size: int, conte
     cache = filled_cache(model, cache_kind, batch_size, context, seed=context + batch_size)
     forward = torch.compile(model.forward, dynamic=False) if cache_kind == "static" else model.forward
     token = torch.randint(0, model.config.vocab_size, (batch_size, 1), generator=torch.Generator().manual_seed(1))
-    return DecodeState(forward, cache, token, torch.full((batch_size, 1), context))
+    return DecodeState(
+        forward, cache, token.to(model.device), torch.full((batch_size, 1), context, device=model.device)
+    )
 
 
 def median_ms(states: dict[str, DecodeState], repetitions: int, steps: int) -> dict[str, float]:
@@ -96,6 +98,8 @@ def median_ms(states: dict[str, DecodeState], repetitions: int, steps: int) -> d
             started = time.perf_counter()
             for _ in range(steps):
                 state.step()
+            if state.token.device.type != "cpu":  # an accelerator runs ahead of the host: wait for its steps
+                torch.accelerator.synchronize(state.token.device)
             samples[name].append((time.perf_counter() - started) * 1000 / steps)
     return {name: statistics.median(values) for name, values in samples.items()}
 

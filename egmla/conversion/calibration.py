@@ -18,6 +18,13 @@ class LayerStatistics:
     key_pair_norms: torch.Tensor  # [Hkv, hd/2]
     context_length: int  # the query-key distances the pairs are ranked over: the fitted length
     tokens: int
+    mean: torch.Tensor | None = None  # [D] float64, E[x]: what a source's biases (a constant input) correlate with
+
+    def with_bias_input(self) -> torch.Tensor:
+        """E[x' x'^T] [D+1, D+1] of the input with a constant 1 appended, on which a bias is one more weight column."""
+        mean = self.mean if self.mean is not None else self.covariance.new_zeros(len(self.covariance))
+        top = torch.cat([self.covariance, mean[:, None]], dim=1)
+        return torch.cat([top, torch.cat([mean, mean.new_ones(1)])[None]])
 
 
 # What a conversion calibrates on: token blocks [N, S], statistics from `calibrate`, or nothing (weights only).
@@ -30,12 +37,19 @@ def pair_norms(states: torch.Tensor, heads: int) -> torch.Tensor:
     return states.norm(dim=2).sum(dim=0)
 
 
+def float_projection(linear: torch.nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
+    """A projection of float32 inputs in float32 whatever the weights' dtype (statistics are kept in float32/64)."""
+    bias = None if linear.bias is None else linear.bias.float()
+    return torch.nn.functional.linear(inputs, linear.weight.float(), bias)
+
+
 @torch.no_grad()
 def calibrate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int = 8) -> list[LayerStatistics]:
     """Runs the source on token blocks [N, S] and collects per-layer statistics of the attention inputs."""
     config = model.config
     hidden, layers = config.hidden_size, config.num_hidden_layers
     covariance = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in range(layers)]
+    sums = [torch.zeros(hidden, dtype=torch.float64) for _ in range(layers)]
     query_norms = [torch.zeros(config.num_attention_heads, config.head_dim // 2) for _ in range(layers)]
     key_norms = [torch.zeros(config.num_key_value_heads, config.head_dim // 2) for _ in range(layers)]
     counts = [0] * layers
@@ -46,9 +60,9 @@ def calibrate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int = 8
         def record(module, args):
             inputs = args[0].reshape(-1, hidden).float()  # the normed hidden states entering q/k/v
             covariance[layer_idx] += (inputs.T.double() @ inputs.double()).cpu()
+            sums[layer_idx] += inputs.double().sum(0).cpu()
             # The projections by their weights: calling q_proj here would re-enter this hook.
-            queries = inputs @ attention.q_proj.weight.T
-            keys = inputs @ attention.k_proj.weight.T
+            queries, keys = float_projection(attention.q_proj, inputs), float_projection(attention.k_proj, inputs)
             query_norms[layer_idx] += pair_norms(queries, config.num_attention_heads).cpu()
             key_norms[layer_idx] += pair_norms(keys, config.num_key_value_heads).cpu()
             counts[layer_idx] += inputs.shape[0]
@@ -72,6 +86,7 @@ def calibrate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int = 8
             key_pair_norms=key_norms[i] / counts[i],
             context_length=fitted_context(config),
             tokens=counts[i],
+            mean=sums[i] / counts[i],
         )
         for i in range(layers)
     ]

@@ -13,6 +13,7 @@
    fresh model equals its MLA approximation.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -173,21 +174,39 @@ class ConversionPlan:
     candidates: list[dict] = field(default_factory=list)
 
 
-def source_values(attention: torch.nn.Module) -> torch.Tensor:
-    """The source layer's value rows [Hkv, hd, D] in float64."""
-    config = attention.config
-    return attention.v_proj.weight.detach().double().cpu().view(config.num_key_value_heads, config.head_dim, -1)
+def has_bias(attention: torch.nn.Module) -> bool:
+    """Whether the source attention has biases (Qwen2's q/k/v, Llama's attention_bias)."""
+    return any(getattr(attention, name).bias is not None for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
 
 
-def layer_split(
-    attention: torch.nn.Module, statistics: LayerStatistics, inv_freq: torch.Tensor, budget: Budget, options
-) -> RopeSplit:
-    """One source attention layer's rope split: the cached rope key and the NoPE dims the latent rebuilds."""
-    config = attention.config
-    head_dim, key_heads = config.head_dim, config.num_key_value_heads
-    query = attention.q_proj.weight.detach().double().cpu().view(config.num_attention_heads, head_dim, -1)
-    key = attention.k_proj.weight.detach().double().cpu().view(key_heads, head_dim, -1)
-    return split_rope(query, key, statistics, inv_freq, options.rope_split, budget.rope_pairs, options.pair_selection)
+def projection_rows(linear: torch.nn.Linear, heads: int, biased: bool) -> torch.Tensor:
+    """A projection's rows [heads, hd, D] in float64; `biased`: [heads, hd, D + 1], the bias as the weight of a
+    constant input 1, so that every linear step of the conversion carries it like any other column."""
+    rows = linear.weight.detach().double().cpu()
+    if biased:
+        bias = linear.bias.detach().double().cpu() if linear.bias is not None else rows.new_zeros(len(rows))
+        rows = torch.cat([rows, bias[:, None]], dim=1)
+    return rows.view(heads, -1, rows.shape[1])
+
+
+def source_rows(attention: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The source layer's query [Hq, hd, D'], key [Hkv, hd, D'] and value [Hkv, hd, D'] rows, D' = D + 1 with biases.
+    The value bias column is left at zero: attention weights sum to 1, so it passes every head's softmax unchanged
+    and the student adds it after the output projection (`o_proj`'s bias) instead of spending the latent on it."""
+    config, biased = attention.config, has_bias(attention)
+    query = projection_rows(attention.q_proj, config.num_attention_heads, biased)
+    key = projection_rows(attention.k_proj, config.num_key_value_heads, biased)
+    value = projection_rows(attention.v_proj, config.num_key_value_heads, biased)
+    if biased:
+        value[..., -1] = 0
+    return query, key, value
+
+
+def input_statistics(attention: torch.nn.Module, statistics: LayerStatistics) -> LayerStatistics:
+    """The statistics the rows of `source_rows` are weighed with: with biases, of the input with a constant 1."""
+    if not has_bias(attention):
+        return statistics
+    return dataclasses.replace(statistics, covariance=statistics.with_bias_input())
 
 
 def stacked_rows(split: RopeSplit, value: torch.Tensor) -> torch.Tensor:
@@ -203,9 +222,15 @@ def factorize_layer(
     budget: Budget,
     options: ConversionOptions,
 ) -> tuple[RopeSplit, Factorization]:
-    """One source attention layer: its rope split and the factorization of its stacked [NoPE key ; value] rows."""
-    split = layer_split(attention, statistics, inv_freq, budget, options)
-    value = source_values(attention)
+    """One source attention layer: its rope split (the cached rope key and the NoPE dims the latent rebuilds) and
+    the factorization of its stacked [NoPE key ; value] rows."""
+    query, key, value = source_rows(attention)
+    statistics = input_statistics(attention, statistics)
+    split = split_rope(query, key, statistics, inv_freq, options.rope_split, budget.rope_pairs, options.pair_selection)
+    if has_bias(attention) and options.rope_mode != "exact":
+        # A NoPE key bias adds q . b to every key of a query alike, which the softmax ignores; in "exact" mode it
+        # is rotated with the key, so there it stays in the latent.
+        split.nope_key[..., -1] = 0
     stacked = stacked_rows(split, value)
     if options.factorization == "weight":
         return split, factorize(stacked, None, options.damping)
@@ -252,6 +277,7 @@ def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConf
         rope_frequency_dim=config.head_dim,
         rope_frequency_indices=None if options.rope_mode == "exact" else [split.frequencies for split in plan.splits],
         attention_dropout=config.attention_dropout,
+        attention_bias=has_bias(teacher.model.layers[0].self_attn),
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
@@ -280,12 +306,38 @@ def attention_state(
             torch.cat([nope_factor * split.nope_query[h], query_factor * split.rope_query[h]])
             for h in range(query_heads)
         ]
-        state[prefix + "q_proj.weight"] = torch.cat(queries).float()
-        state[prefix + "kv_a_proj_with_mqa.weight"] = torch.cat([down, split.rope_key]).float()
+        state.update(linear_state(prefix + "q_proj.", torch.cat(queries), source.hidden_size))
+        state.update(
+            linear_state(prefix + "kv_a_proj_with_mqa.", torch.cat([down, split.rope_key]), source.hidden_size)
+        )
         per_key_head = config.num_key_value_heads == key_heads
         heads = up.unbind() if per_key_head else [up[h // group] for h in range(query_heads)]
         state[prefix + "kv_b_proj.weight"] = torch.cat(heads).float()
-        state[prefix + "o_proj.weight"] = layer.self_attn.o_proj.weight
+        state.update(output_state(prefix + "o_proj.", layer.self_attn, group))
+    return state
+
+
+def linear_state(prefix: str, rows: torch.Tensor, hidden_size: int) -> dict[str, torch.Tensor]:
+    """A student projection's weight [out, D] and, where the rows carry a bias column ([out, D + 1]), its bias."""
+    state = {prefix + "weight": rows[:, :hidden_size].float()}
+    if rows.shape[1] > hidden_size:
+        state[prefix + "bias"] = rows[:, hidden_size].float()
+    return state
+
+
+def output_state(prefix: str, attention: torch.nn.Module, group: int) -> dict[str, torch.Tensor]:
+    """The output projection; with biases, its bias takes the value bias of every head through it (the softmax
+    weights sum to 1, so each head's output carries its KV head's value bias whole)."""
+    output = attention.o_proj
+    state = {prefix + "weight": output.weight}
+    if has_bias(attention):
+        value_bias = attention.v_proj.bias
+        value_bias = torch.zeros(attention.v_proj.out_features) if value_bias is None else value_bias.detach().cpu()
+        per_query_head = value_bias.view(-1, attention.config.head_dim).repeat_interleave(group, dim=0).flatten()
+        bias = output.weight.detach().double().cpu() @ per_query_head.double()
+        if output.bias is not None:
+            bias = bias + output.bias.detach().double().cpu()
+        state[prefix + "bias"] = bias.float()
     return state
 
 
@@ -303,7 +355,7 @@ def assemble(teacher: LlamaForCausalLM, config: EGMLAConfig, attention: dict, se
     assert all("gate_" in name for name in missing) and not unexpected, (missing, unexpected)
     if config.tie_word_embeddings:
         student.tie_weights()
-    return student.eval()
+    return student.to(device=teacher.device, dtype=teacher.dtype).eval()  # where the source is, in its dtype
 
 
 def plan_layers(

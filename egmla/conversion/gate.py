@@ -20,12 +20,13 @@ error of every layer by 14-77% and held-out perplexity from 4.552 to 4.634).
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
 from .calibration import SourceLayer, source_layers
-from .convert import ConversionPlan, source_values, stacked_rows
+from .convert import ConversionPlan, source_rows, stacked_rows
 
 ERROR_BLOCKS = 16  # calibration blocks the attention error is compared on (the least squares uses them all)
 
@@ -56,9 +57,11 @@ def attention_error(student: EGMLAForCausalLM, layer_idx: int, inputs: SourceLay
 def gate_statistics(attention, inputs: torch.Tensor, target_rows: torch.Tensor, index: torch.Tensor, distinct: int):
     """The sums of one layer: `inputs` [T, D], `target_rows` [C, D] (the source's K/V rows per student head),
     `index` [T] each position's distinct-token row."""
-    latent = inputs @ attention.kv_a_proj_with_mqa.weight[: attention.kv_lora_rank].T  # [T, r]
+    down, rank = attention.kv_a_proj_with_mqa, attention.kv_lora_rank
+    latent = F.linear(inputs, down.weight[:rank], None if down.bias is None else down.bias[:rank])  # [T, r]
     rebuilt = (latent @ attention.kv_b_proj.weight.T).double()  # [T, C]
-    target = (inputs @ target_rows.T).double()
+    biased = target_rows.shape[1] > inputs.shape[1]  # a biased source's rows end with their bias column
+    target = F.linear(inputs, target_rows[:, : inputs.shape[1]], target_rows[:, -1] if biased else None).double()
     gram = rebuilt.new_zeros(distinct, rebuilt.shape[1]).index_add_(0, index, rebuilt.square())
     cross = rebuilt.new_zeros(distinct, rebuilt.shape[1]).index_add_(0, index, rebuilt * target)
     return GateStatistics(gram, cross, gram.sum(0) / len(inputs), target.square().sum().item())
@@ -106,7 +109,7 @@ def fit_gate(
     for layer_idx, (layer, inputs, split) in enumerate(
         tqdm(layers, desc="fitting the gate", unit="layer", total=config.num_hidden_layers, leave=False)
     ):
-        stacked = stacked_rows(split, source_values(layer.self_attn))
+        stacked = stacked_rows(split, source_rows(layer.self_attn)[2])
         target_rows = stacked.float().view(teacher.config.num_key_value_heads, -1, stacked.shape[1])
         target_rows = target_rows.repeat_interleave(group, dim=0).flatten(0, 1)  # per student key head
         attention = student.model.layers[layer_idx].self_attn

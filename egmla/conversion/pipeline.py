@@ -15,7 +15,7 @@ from ..data import EXCERPT
 from ..hub import public_name, source_metadata, text_dataset
 from ..measure import kv_values_per_token
 from ..modeling_egmla import EGMLAForCausalLM
-from ..options import option
+from ..options import Placement, option
 from ..outputs import atomic_folder, check_output_folder
 from ..text import (
     document_ids,
@@ -38,6 +38,7 @@ from .plan import plan_conversion
 from .reconstruction import ReconstructionSettings, reconstruct_layers
 from .report import print_report, write_finetune_card, write_model_card
 from .source import load_llama, load_tokenizer, split_gguf
+from .timing import StageTimes
 
 # `egmla retrofit`'s settings by whether text is given (a flag given wins). With text: a layer-wise fit of 100 Adam
 # steps a layer (not 200: 5.5 of the 20 minutes instead of 10), then 7 minutes recovering the attention alone at
@@ -276,6 +277,7 @@ class ConversionJob:
     base_model: str | None = None  # the card's base model (a Hub id); None: the source's own, when it names one
     license: str | None = None  # the card's licence; None: the source's card, config or GGUF metadata, if any
     time_limit: float | None = None  # minutes for the whole job: the recovery gets what the other stages leave
+    placement: Placement = Placement()  # the source's and the student's device and dtype (the output's dtype)
 
     def __post_init__(self) -> None:
         if self.time_limit is not None and not self.time_limit > 0:  # NaN too
@@ -330,6 +332,7 @@ def fit_stages(
     calibration: torch.Tensor,
     scores: dict,
     deadline: float | None,
+    times: StageTimes,
 ) -> Fitting:
     """The layer-wise fit, then the recovery (within the time limit's `deadline`), each kept only if it lowers the
     loss on the blocks held aside; with `job.score_stages`, each stage's held-out scores are added to `scores`."""
@@ -337,7 +340,8 @@ def fit_stages(
         add_scores(scores, score_documents({"zero-shot": student}, text))
     stages = StageSelection(text.selection)
     stages.consider("zero-shot", student)
-    layers = reconstruct_layers(student, teacher, *layer_wise_inputs(calibration, text, job.reconstruction))
+    with times.stage("layer-wise fit"):
+        layers = reconstruct_layers(student, teacher, *layer_wise_inputs(calibration, text, job.reconstruction))
     if layers:
         if job.score_stages:
             add_scores(scores, score_documents({"layer-wise": student}, text))
@@ -348,7 +352,8 @@ def fit_stages(
     if settings is None:  # no recovery asked for, or none left within the time limit (then the report says so)
         skipped = None if job.finetune is None else {"skipped": "time limit", "time_limit": job.time_limit}
         return Fitting(student, stages, layers, skipped)
-    result = finetune(student, teacher, text.recovery, settings, text.held_out)
+    with times.stage("recovery"):
+        result = finetune(student, teacher, text.recovery, settings, text.held_out)
     if job.score_stages:
         add_scores(scores, score_documents({"fine-tuned": result.model}, text))
     stages.consider("fine-tuned", result.model)
@@ -360,26 +365,31 @@ def run_conversion(job: ConversionJob) -> dict:
     inputs = (split_gguf(job.source)[0],)
     check_output_folder(job.out, job.overwrite, inputs)  # before any long work
     metadata = source_metadata(job.source, job.base_model, job.license)  # the card's, read before too
-    started = time.time()
-    teacher, tokenizer = load_llama(job.source), load_tokenizer(job.source)
-    text = prepare_text(teacher, tokenizer, job.text)
+    started, times = time.time(), StageTimes()
+    with times.stage("load"):
+        teacher, tokenizer = load_llama(job.source, job.placement), load_tokenizer(job.source)
+        text = prepare_text(teacher, tokenizer, job.text)
     calibration = text.fit[: job.text.calibration_blocks]
-    plan, _ = plan_conversion(teacher, job.options, calibration)
+    plan, _ = plan_conversion(teacher, job.options, calibration, times)
     student = build_student(teacher, plan)
     warning = rebuild_warning(student.config, teacher.config)
     if warning:
         print(warning)
     gate = []
     if job.reconstruction.gate_init == "least_squares":
-        gate = fit_gate(student, teacher, calibration, plan, job.reconstruction.gate_shrinkage)
-    scoring = time.time()
-    scores = score_documents({"source": teacher}, text)
-    deadline = recovery_deadline(job, started, scoring_seconds=time.time() - scoring)
-    fitting = fit_stages(student, teacher, job, text, calibration, scores, deadline)
+        with times.stage("gate fit"):
+            gate = fit_gate(student, teacher, calibration, plan, job.reconstruction.gate_shrinkage)
+    with times.stage("scoring"):
+        scores = score_documents({"source": teacher}, text)
+    deadline = recovery_deadline(job, started, scoring_seconds=times.seconds["scoring"])
+    fitting = fit_stages(student, teacher, job, text, calibration, scores, deadline, times)
     student, stages, layers, finetune_summary = fitting.student, fitting.stages, fitting.layers, fitting.finetune
     if stages.saved_stage not in scores["perplexity"]:  # the saved model is always scored
-        add_scores(scores, score_documents({stages.saved_stage: student}, text))
+        with times.stage("scoring"):
+            add_scores(scores, score_documents({stages.saved_stage: student}, text))
 
+    with times.stage("decode measurement"):
+        measured = measure_decode(teacher, student)
     report = {
         "source": public_name(job.source),
         "options": asdict(plan.options),
@@ -393,10 +403,11 @@ def run_conversion(job: ConversionJob) -> dict:
         "saved_stage": stages.saved_stage,
         "finetune": finetune_summary,
         "time_limit": job.time_limit,
+        "placement": {"device": str(teacher.device), "dtype": job.placement.dtype},
         "decode": {
             "arithmetic": cost_row(egmla_cost(student.config), source_cost(teacher.config)),
             "source_arithmetic": cost_row(source_cost(teacher.config), source_cost(teacher.config)),
-            "measured": measure_decode(teacher, student),
+            "measured": measured,
         },
     }
     report["card"] = {
@@ -406,7 +417,7 @@ def run_conversion(job: ConversionJob) -> dict:
     }
     if job.sample_prompt:
         report["sample"] = greedy_sample(student, tokenizer, job.sample_prompt)
-    report["seconds"] = round(time.time() - started, 1)
+    report["seconds"], report["stage_seconds"] = round(time.time() - started, 1), times.seconds
 
     with atomic_folder(job.out, job.overwrite, inputs) as staging:
         student.save_pretrained(staging)
@@ -464,6 +475,7 @@ class FinetuneJob:
     overwrite: bool = False
     base_model: str | None = None  # the card's base model; None: the student's card's, else the teacher's Hub id
     license: str | None = None  # the card's licence; None: the student's card's, else the teacher's
+    placement: Placement = Placement()
 
 
 def run_finetune(job: FinetuneJob) -> dict:
@@ -472,8 +484,9 @@ def run_finetune(job: FinetuneJob) -> dict:
     check_output_folder(job.out, job.overwrite, inputs)
     teacher_metadata = source_metadata(job.teacher)
     student_metadata = source_metadata(job.student)  # a converted folder's card names its source
-    student = AutoModelForCausalLM.from_pretrained(job.student, dtype=torch.float32)
-    teacher, tokenizer = load_llama(job.teacher), load_tokenizer(job.teacher)
+    device, dtype = job.placement.torch_device(), job.placement.torch_dtype
+    student = AutoModelForCausalLM.from_pretrained(job.student, dtype=dtype, device_map=device)
+    teacher, tokenizer = load_llama(job.teacher, job.placement), load_tokenizer(job.teacher)
     text = prepare_text(teacher, tokenizer, job.text)
     scores = score_documents({"before": student}, text)
     stages = StageSelection(text.selection)
@@ -515,10 +528,19 @@ def run_finetune(job: FinetuneJob) -> dict:
     return summary
 
 
-def run_ppl(model_path: str, eval_text: Path, block_size: int = 256, max_blocks: int | None = None) -> float:
+def run_ppl(
+    model_path: str,
+    eval_text: Path,
+    block_size: int = 256,
+    max_blocks: int | None = None,
+    placement: Placement | None = None,
+) -> float:
     """Perplexity of a model folder (Llama or EG-MLA) or `.gguf` file over the token blocks of a text."""
     folder, gguf_file = split_gguf(model_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype="float32")
+    placement = placement or Placement()
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=gguf_file, dtype=placement.torch_dtype, device_map=placement.torch_device()
+    )
     blocks = token_blocks(load_tokenizer(model_path), read_documents(eval_text), block_size)
     blocks = blocks[:max_blocks] if max_blocks else blocks
     value = perplexity(model, blocks, progress=True)

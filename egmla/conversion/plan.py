@@ -3,6 +3,7 @@ rope split to it (`search.py`), then the plan of the chosen split, computed once
 rope split and factors per layer), then the model built from the plan (`convert.build_student`)."""
 
 import dataclasses
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -13,12 +14,33 @@ from .calibration import Calibration, LayerStatistics, layer_statistics
 from .convert import ConversionOptions, ConversionPlan, build_student, plan_layers
 from .search import choose_split
 from .source import load_llama
+from .timing import StageTimes
 
 
 def plan_conversion(
-    teacher: LlamaForCausalLM, options: ConversionOptions, calibration: Calibration
+    teacher: LlamaForCausalLM, options: ConversionOptions, calibration: Calibration, times: StageTimes | None = None
 ) -> tuple[ConversionPlan, list[LayerStatistics]]:
-    """The plan (with the split search's table where it ran) and the calibration statistics it was made with."""
+    """The plan (with the split search's table where it ran) and the calibration statistics it was made with; the
+    seconds of the search, the calibration and the factorization go into `times`."""
+    times = times or StageTimes()
+    with times.stage("split search") if options.rope_split == "auto" else nullcontext():
+        options, candidates, calibration = search_split(teacher, options, calibration)
+    if calibration is None and options.factorization == "activation":
+        raise ValueError(
+            'factorization="activation" needs calibration: token ids [N, S] or the statistics of calibrate(...).'
+        )
+    with times.stage("calibration"):
+        statistics = layer_statistics(teacher, calibration)
+    with times.stage("factorization"):
+        plan = plan_layers(teacher, options, statistics)
+    return dataclasses.replace(plan, candidates=candidates), statistics
+
+
+def search_split(
+    teacher: LlamaForCausalLM, options: ConversionOptions, calibration: Calibration
+) -> tuple[ConversionOptions, list[dict], Calibration]:
+    """The options with the split chosen where they leave it to the search ("auto"), its table, and what to
+    calibrate on next (the search's own statistics)."""
     candidates = []
     if options.rope_split == "auto":
         if not isinstance(calibration, torch.Tensor):
@@ -27,13 +49,7 @@ def plan_conversion(
                 "calibration, or choose rope_split 'shared', 'per_head' or 'exact'."
             )
         options, candidates, calibration = choose_split(teacher, options, calibration)
-    if calibration is None and options.factorization == "activation":
-        raise ValueError(
-            'factorization="activation" needs calibration: token ids [N, S] or the statistics of calibrate(...).'
-        )
-    statistics = layer_statistics(teacher, calibration)
-    plan = plan_layers(teacher, options, statistics)
-    return dataclasses.replace(plan, candidates=candidates), statistics
+    return options, candidates, calibration
 
 
 def convert_llama_to_egmla(

@@ -135,6 +135,9 @@ def print_report(report: dict) -> None:
     if report.get("perplexity_by_position"):
         print(f"\nheld-out perplexity by position ({report.get('eval_documents')} whole documents):")
         print(position_table(report))
+    if report.get("stage_seconds"):
+        stages = ", ".join(f"{name} {seconds:g}" for name, seconds in report["stage_seconds"].items())
+        print(f"\nseconds by stage: {stages} (of {report['seconds']:g} in all)")
 
 
 def output_perplexity(report: dict) -> float | None:

@@ -1,12 +1,29 @@
-"""The source of a conversion: a Llama checkpoint from an instance, a local folder, a Hub id or a GGUF file, and
-its tokenizer."""
+"""The source of a conversion: a Llama-family checkpoint (Llama, Mistral, Qwen2) from an instance, a local folder, a
+Hub id or a GGUF file, and its tokenizer."""
 
 import copy
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2ForCausalLM,
+)
+
+from ..options import DTYPES, Placement
+
+# The families whose attention is Llama's up to biases and windows: the same modules under the same names.
+SOURCE_CLASSES = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
+ACCEPTED = "Llama, Mistral or Qwen2 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM; MHA or GQA)"
+# Families refused for a reason worth naming: a per-head norm after the key projection is not linear, so no
+# latent rebuilds it, and the query's norm cannot be folded into its weights.
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2", "olmo3", "cohere2")
 
 
 def split_gguf(source: str | Path) -> tuple[str, str | None]:
@@ -19,20 +36,27 @@ def split_gguf(source: str | Path) -> tuple[str, str | None]:
     return str(source), None
 
 
-def load_llama(source: str | Path | PreTrainedModel) -> LlamaForCausalLM:
-    """A `LlamaForCausalLM` from an instance, a local folder, a Hub id or a GGUF file, in float32."""
+def load_llama(source: str | Path | PreTrainedModel, placement: Placement | None = None) -> LlamaForCausalLM:
+    """A Llama, Mistral or Qwen2 causal LM from an instance, a local folder, a Hub id or a GGUF file, on the
+    placement's device in its dtype (default: an instance's own device and dtype, float32 unless it is bfloat16 or
+    float16; a checkpoint on this process's accelerator, else the CPU, in float32)."""
+    if isinstance(source, PreTrainedModel) and placement is None:
+        dtype = str(source.dtype).removeprefix("torch.")
+        placement = Placement(device=str(source.device), dtype=dtype if dtype in DTYPES else "float32")
+    placement = placement or Placement()
+    device, dtype = placement.torch_device(), placement.torch_dtype
     if isinstance(source, PreTrainedModel):
-        # Work on a copy when the dtype or mode would change: the caller's model is never modified.
-        model = source if source.dtype == torch.float32 and not source.training else copy.deepcopy(source)
+        check_family(source.config.model_type, type(source).__name__)
+        # Work on a copy when the dtype, device or mode would change: the caller's model is never modified.
+        unchanged = source.dtype == dtype and source.device == device and not source.training
+        model = source if unchanged else copy.deepcopy(source)
     else:
-        model = load_llama_checkpoint(source)
-    if not isinstance(model, LlamaForCausalLM):
-        raise ValueError(
-            f"Got a {type(model).__name__}; only Llama (LlamaForCausalLM, MHA or GQA) sources can be converted."
-        )
+        model = load_llama_checkpoint(source, dtype, device)
+    if not isinstance(model, tuple(SOURCE_CLASSES.values())):
+        raise ValueError(f"Got a {type(model).__name__}; only {ACCEPTED} sources can be converted.")
     check_supported(model.config)
     check_finite(model)
-    return model.to(torch.float32).eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def check_finite(model: PreTrainedModel) -> None:
@@ -45,23 +69,31 @@ def check_finite(model: PreTrainedModel) -> None:
             )
 
 
-def load_llama_checkpoint(source: str | Path) -> LlamaForCausalLM:
+def check_family(model_type: str, source: str | Path) -> None:
+    if model_type in QK_NORM_FAMILIES:
+        raise ValueError(
+            f"{source} is a {model_type!r} checkpoint, whose attention normalizes every query and key head (QK-norm) "
+            "after its projection: no low-rank latent rebuilds a normalized key, so it cannot be converted; "
+            f"sources must be {ACCEPTED}."
+        )
+    if model_type not in SOURCE_CLASSES:
+        raise ValueError(f"{source} is a {model_type!r} checkpoint; only {ACCEPTED} sources can be converted.")
+
+
+def load_llama_checkpoint(source: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     folder, gguf_file = split_gguf(source)
     config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
-    if config.model_type != "llama":
-        raise ValueError(
-            f"{source} is a {config.model_type!r} checkpoint; only Llama (LlamaForCausalLM, MHA or GQA) "
-            "sources can be converted."
-        )
-    try:
-        model = LlamaForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    check_family(config.model_type, source)
+    model_class = SOURCE_CLASSES[config.model_type]
+    try:  # straight onto the device, in the dtype: no float32 copy on the host first
+        model = model_class.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype, device_map=device)
     except (OSError, SafetensorError) as error:  # missing or unreadable weights
         raise ValueError(
             f"Could not read the weights of {source} ({error}): the folder needs its model.safetensors (or "
             "pytorch_model.bin) as saved by save_pretrained; re-download or re-export the checkpoint."
         ) from error
     if gguf_file is not None:
-        # De-quantized to float32 on load: the GGUF quantization no longer describes these weights.
+        # De-quantized on load: the GGUF quantization no longer describes these weights.
         del model.config.quantization_config
         model.hf_quantizer, model.is_quantized = None, False
     return model
@@ -69,14 +101,27 @@ def load_llama_checkpoint(source: str | Path) -> LlamaForCausalLM:
 
 def check_supported(config) -> None:
     """Refuses what EG-MLA has nothing to map to."""
-    if config.attention_bias:
-        raise ValueError("The source has attention biases (attention_bias=True); EG-MLA has none to map them to.")
+    check_sliding_window(config)
     if getattr(config, "mlp_bias", False):
         raise ValueError("The source has MLP biases (mlp_bias=True); EG-MLA's SwiGLU MLP has none.")
     if config.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("Sources with partial_rotary_factor != 1 are not supported.")
     if config.rope_parameters.get("rope_type", "default") == "longrope":
         raise ValueError("Sources with longrope scaling are not supported (its frequencies depend on the length).")
+
+
+def check_sliding_window(config) -> None:
+    """A sliding window attends to the last `sliding_window` tokens only; EG-MLA attends to every cached token, so a
+    window is accepted only where it covers the whole context (Mistral v0.2+ and Qwen2 have none by default)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    slides = config.model_type == "mistral" or "sliding_attention" in layer_types
+    if slides and window is not None and window < config.max_position_embeddings:
+        raise ValueError(
+            f"The source uses sliding-window attention (sliding_window={window} < max_position_embeddings="
+            f"{config.max_position_embeddings}); EG-MLA attends to the whole context, which would change the "
+            "model: only sources whose window covers the context (or that have none) can be converted."
+        )
 
 
 def load_tokenizer(source: str | Path | PreTrainedModel) -> PreTrainedTokenizerBase:

@@ -39,6 +39,7 @@ class EGMLAConfig(PreTrainedConfig):
     gate_layers_per_table: int = 1
     offload_gate_tables: bool = False
     kv_latent_norm: bool = True
+    attention_bias: bool = False
     hidden_act: str = "silu"
     max_position_embeddings: int = 2048
     initializer_range: float = 0.02

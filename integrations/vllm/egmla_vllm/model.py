@@ -115,18 +115,21 @@ class EGMLAAttention(nn.Module):
         head_width = self.nope_dim + self.rope_dim
         if self.q_lora_rank is None:
             self.q_proj = ReplicatedLinear(
-                config.hidden_size, self.num_heads * head_width, bias=False, prefix=f"{prefix}.q_proj"
+                config.hidden_size, self.num_heads * head_width, bias=config.attention_bias, prefix=f"{prefix}.q_proj"
             )
         else:
             self.q_a_proj = ReplicatedLinear(
-                config.hidden_size, self.q_lora_rank, bias=False, prefix=f"{prefix}.q_a_proj"
+                config.hidden_size, self.q_lora_rank, bias=config.attention_bias, prefix=f"{prefix}.q_a_proj"
             )
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
             self.q_b_proj = ReplicatedLinear(
                 self.q_lora_rank, self.num_heads * head_width, bias=False, prefix=f"{prefix}.q_b_proj"
             )
         self.kv_a_proj_with_mqa = ReplicatedLinear(
-            config.hidden_size, self.kv_lora_rank + self.rope_width, bias=False, prefix=f"{prefix}.kv_a_proj_with_mqa"
+            config.hidden_size,
+            self.kv_lora_rank + self.rope_width,
+            bias=config.attention_bias,
+            prefix=f"{prefix}.kv_a_proj_with_mqa",
         )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_latent_norm else None
         kv_width = self.rebuilt_key_dim + self.value_dim
@@ -135,7 +138,7 @@ class EGMLAAttention(nn.Module):
             self.latent_width, self.key_heads * kv_width, bias=False, prefix=f"{prefix}.kv_b_proj"
         )
         self.o_proj = ReplicatedLinear(
-            self.num_heads * self.value_dim, config.hidden_size, bias=False, prefix=f"{prefix}.o_proj"
+            self.num_heads * self.value_dim, config.hidden_size, bias=config.attention_bias, prefix=f"{prefix}.o_proj"
         )
         self.gate_embedding_proj = self.gate_norm = None
         if config.gate_enabled:  # W^{UE} onto the latent, or onto every head's keys and values

@@ -16,7 +16,7 @@ import torch
 
 from egmla import EGMLAConfig, EGMLAForCausalLM
 from egmla.conversion import ConversionOptions, convert_llama_to_egmla, load_llama
-from tests.utils import STORIES260K, needs_shared, with_tokenizer
+from tests.utils import STORIES260K, needs_shared, tiny_source, with_tokenizer
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "vllm_worker.py"
@@ -129,6 +129,16 @@ def stories_models() -> dict[str, EGMLAForCausalLM]:
     return models
 
 
+def qwen2_models() -> dict[str, EGMLAForCausalLM]:
+    """A tiny random Qwen2 (q/k/v biases drawn at random) converted at a 50% cut: the default's absorbed form (the
+    biases on q_proj, kv_a_proj_with_mqa and o_proj) and the RoPE-exact latent (the key bias in the latent)."""
+    teacher = tiny_source("qwen2", vocab_size=512, max_position_embeddings=256)
+    return {
+        name: convert_llama_to_egmla(teacher, ConversionOptions(kv_cut=0.5, rope_split=split, factorization="weight"))
+        for name, split in (("shared", "shared"), ("exact", "exact"))
+    }
+
+
 LONG_PROMPTS_FOLDERS = ["gate-latent", "gate-kv-two-rope-keys", "exact-gate-kv"]
 BFLOAT16_FOLDERS = ["gate-latent", "gate-kv-two-rope-keys"]
 STORIES_PROMPTS = [[1, 403, 407, 261, 378], [1, 365, 2]]
@@ -180,6 +190,8 @@ def served(vllm_python, tmp_path_factory) -> dict[str, tuple[dict, EGMLAForCausa
     if STORIES260K.exists():
         for name, student in stories_models().items():
             add(f"stories/{name}", student, STORIES_PROMPTS, max_tokens=24, logprobs=1)
+    for name, student in qwen2_models().items():
+        add(f"qwen2/{name}", student, PROMPTS, max_tokens=12)
     torch.manual_seed(0)
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     add("dynamic-rope", EGMLAForCausalLM(EGMLAConfig(**TINY, rope_parameters=dynamic)), PROMPTS)
@@ -249,6 +261,18 @@ def test_converted_stories260k_gives_transformers_greedy_tokens(served, name):
             expected = student.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :]
         assert tokens == expected.tolist()[: len(tokens)] and len(tokens) > 0
     assert result["kv_bytes_per_token"] == expected_kv_bytes(student.config)
+
+
+@pytest.mark.parametrize("name", ["shared", "exact"])
+def test_a_converted_qwen2_gives_transformers_greedy_tokens(served, name):
+    """Qwen2's q/k/v biases, converted, served: the greedy tokens and top-3 logprobs of transformers."""
+    result, student, prompts = result_of(served, f"qwen2/{name}")
+    assert student.config.attention_bias
+    for prompt, tokens in zip(prompts, result["tokens"], strict=True):
+        with torch.no_grad():
+            expected = student.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :]
+        assert tokens == expected.tolist()[: len(tokens)] and len(tokens) > 0
+    assert_logprobs_agree(student, prompts, result)
 
 
 def test_an_unserved_rope_type_is_refused_by_name(served):
