@@ -4,6 +4,7 @@ default, so that the CLI, the dataclasses and their validation read the same dec
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from pathlib import Path
@@ -78,11 +79,15 @@ class Placement:
         return getattr(torch, self.dtype)
 
     def torch_device(self) -> torch.device:
-        """The device itself: "auto" as accelerate places this process (cuda:LOCAL_RANK under `accelerate launch`)."""
+        """The device itself. "auto": this process's accelerator (index LOCAL_RANK under `accelerate launch`), unless
+        there is none or accelerate is told to use the CPU (ACCELERATE_USE_CPU); resolved without initializing
+        accelerate's process state, which the training's Accelerator must create itself."""
         if self.device == "auto":
-            from accelerate import PartialState  # lazily: `import egmla` stays light
+            from accelerate.utils import parse_flag_from_env  # lazily: `import egmla` stays light
 
-            return PartialState().device
+            if not torch.accelerator.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU"):
+                return torch.device("cpu")
+            return torch.device(torch.accelerator.current_accelerator().type, int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device(self.device)
         if device.type != "cpu" and (
             not torch.accelerator.is_available() or torch.accelerator.current_accelerator().type != device.type
