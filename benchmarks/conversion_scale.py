@@ -30,22 +30,37 @@ SHAPES = {
 }
 CLOSED_FORM = ["--rope-split", "shared", "--reconstruction-steps", "0", "--steps", "0"]
 MAKE_SOURCE = """
-import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-hidden, layers, heads, key_heads, mlp, vocab, tied = map(int, sys.argv[2:9])
+import json, sys, torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+folder, (hidden, layers, heads, key_heads, mlp, vocab, tied), dtype = sys.argv[1], map(int, sys.argv[2:9]), sys.argv[9]
 config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      num_key_value_heads=key_heads, intermediate_size=mlp, vocab_size=vocab,
                      tie_word_embeddings=bool(tied), max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
-                     rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+                     rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, dtype=dtype)
+config.architectures = ["LlamaForCausalLM"]
+config.save_pretrained(folder)
 torch.manual_seed(0)
+def random(shape):  # matrices N(0, 0.02), norm weights 1
+    tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+    return tensor.normal_(0.0, 0.02) if len(shape) > 1 else tensor.fill_(1.0)
 with torch.device("meta"):
-    model = LlamaForCausalLM(config)
-model = model.to_empty(device="cpu").to(getattr(torch, sys.argv[9]))
-model.tie_weights()  # to_empty leaves tied tables apart
-with torch.no_grad():
-    for parameter in model.parameters():
-        parameter.normal_(0.0, 0.02) if parameter.dim() > 1 else parameter.fill_(1.0)
-model.save_pretrained(sys.argv[1])
+    layer_shapes = {name: tuple(tensor.shape) for name, tensor in LlamaDecoderLayer(config, 0).state_dict().items()}
+# Shapes first, tensors made one shard at a time as it is written: an 8B shape never has to fit in memory whole.
+shards = {f"model-layer-{i:05d}.safetensors": {f"model.layers.{i}.{name}": shape for name, shape in
+          layer_shapes.items()} for i in range(layers)}
+shards["model-outer.safetensors"] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+                                     **({} if tied else {"lm_head.weight": (vocab, hidden)})}
+weight_map, total = {}, 0
+for file, shapes in shards.items():
+    tensors = {name: random(shape) for name, shape in shapes.items()}
+    save_file(tensors, f"{folder}/{file}", metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(tensors, file))
+    total += sum(tensor.nbytes for tensor in tensors.values())
+    del tensors
+index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+open(f"{folder}/model.safetensors.index.json", "w").write(json.dumps(index, indent=2))
 """
 
 

@@ -24,6 +24,7 @@ from .conversion.pipeline import (
     run_ppl,
 )
 from .conversion.reconstruction import ReconstructionSettings
+from .conversion.streaming import run_streaming_conversion
 from .data import smollm2_gguf
 from .options import Placement, add_fields
 from .quickstart import QuickstartSettings, run_quickstart
@@ -140,7 +141,7 @@ def convert_command(args: argparse.Namespace) -> None:
         time_limit=args.time_limit,
         placement=from_args(Placement, args),
     )
-    run_conversion(job)
+    run_streaming_conversion(job) if args.stream else run_conversion(job)
 
 
 def finetune_command(args: argparse.Namespace) -> None:
@@ -293,6 +294,12 @@ def add_convert(commands) -> None:
     add_card_options(convert)
     add_job_options(convert, "none")
     add_fields(convert, Placement)
+    convert.add_argument(
+        "--stream",
+        action="store_true",
+        help="read, calibrate, convert and write one layer at a time (peak memory about one layer, not two models): "
+        "closed form only (no split search, gate fit, layer-wise fit, recovery or scoring); needs --train-text",
+    )
     add_conversion_options(convert)
     add_reconstruction_options(convert)
     add_text_options(convert)

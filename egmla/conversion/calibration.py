@@ -43,34 +43,47 @@ def float_projection(linear: torch.nn.Linear, inputs: torch.Tensor) -> torch.Ten
     return torch.nn.functional.linear(inputs, linear.weight.float(), bias)
 
 
+class StatisticsRecorder:
+    """A forward pre-hook on one source layer's `q_proj` that sums what `LayerStatistics` holds of its inputs."""
+
+    def __init__(self, attention: torch.nn.Module):
+        config = attention.config
+        self.attention, self.heads, self.key_heads = attention, config.num_attention_heads, config.num_key_value_heads
+        self.covariance = torch.zeros(config.hidden_size, config.hidden_size, dtype=torch.float64)
+        self.sums = torch.zeros(config.hidden_size, dtype=torch.float64)
+        self.query_norms = torch.zeros(self.heads, config.head_dim // 2)
+        self.key_norms = torch.zeros(self.key_heads, config.head_dim // 2)
+        self.count = 0
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
+        inputs = args[0].reshape(-1, args[0].shape[-1]).float()  # the normed hidden states entering q/k/v
+        self.covariance += (inputs.T.double() @ inputs.double()).cpu()
+        self.sums += inputs.double().sum(0).cpu()
+        # The projections by their weights: calling q_proj here would re-enter this hook.
+        queries = float_projection(self.attention.q_proj, inputs)
+        keys = float_projection(self.attention.k_proj, inputs)
+        self.query_norms += pair_norms(queries, self.heads).cpu()
+        self.key_norms += pair_norms(keys, self.key_heads).cpu()
+        self.count += inputs.shape[0]
+
+    def statistics(self) -> LayerStatistics:
+        return LayerStatistics(
+            covariance=self.covariance / self.count,
+            query_pair_norms=self.query_norms / self.count,
+            key_pair_norms=self.key_norms / self.count,
+            context_length=fitted_context(self.attention.config),
+            tokens=self.count,
+            mean=self.sums / self.count,
+        )
+
+
 @torch.no_grad()
 def calibrate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int = 8) -> list[LayerStatistics]:
     """Runs the source on token blocks [N, S] and collects per-layer statistics of the attention inputs."""
-    config = model.config
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    covariance = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in range(layers)]
-    sums = [torch.zeros(hidden, dtype=torch.float64) for _ in range(layers)]
-    query_norms = [torch.zeros(config.num_attention_heads, config.head_dim // 2) for _ in range(layers)]
-    key_norms = [torch.zeros(config.num_key_value_heads, config.head_dim // 2) for _ in range(layers)]
-    counts = [0] * layers
-
-    def hook(layer_idx: int):
-        attention = model.model.layers[layer_idx].self_attn
-
-        def record(module, args):
-            inputs = args[0].reshape(-1, hidden).float()  # the normed hidden states entering q/k/v
-            covariance[layer_idx] += (inputs.T.double() @ inputs.double()).cpu()
-            sums[layer_idx] += inputs.double().sum(0).cpu()
-            # The projections by their weights: calling q_proj here would re-enter this hook.
-            queries, keys = float_projection(attention.q_proj, inputs), float_projection(attention.k_proj, inputs)
-            query_norms[layer_idx] += pair_norms(queries, config.num_attention_heads).cpu()
-            key_norms[layer_idx] += pair_norms(keys, config.num_key_value_heads).cpu()
-            counts[layer_idx] += inputs.shape[0]
-
-        return record
-
+    recorders = [StatisticsRecorder(layer.self_attn) for layer in model.model.layers]
     handles = [
-        layer.self_attn.q_proj.register_forward_pre_hook(hook(index)) for index, layer in enumerate(model.model.layers)
+        layer.self_attn.q_proj.register_forward_pre_hook(recorder)
+        for layer, recorder in zip(model.model.layers, recorders, strict=True)
     ]
     try:
         device = next(model.parameters()).device
@@ -79,17 +92,7 @@ def calibrate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int = 8
     finally:
         for handle in handles:
             handle.remove()
-    return [
-        LayerStatistics(
-            covariance=covariance[i] / counts[i],
-            query_pair_norms=query_norms[i] / counts[i],
-            key_pair_norms=key_norms[i] / counts[i],
-            context_length=fitted_context(config),
-            tokens=counts[i],
-            mean=sums[i] / counts[i],
-        )
-        for i in range(layers)
-    ]
+    return [recorder.statistics() for recorder in recorders]
 
 
 # The length the fitting stages train on (the layer-wise fit's and recovery's packed blocks) on a CPU.

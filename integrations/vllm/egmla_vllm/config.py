@@ -65,8 +65,11 @@ class EGMLAConfig(PreTrainedConfig):
 
     def validate_layer_type(self):
         """egmla's cache layer type is not one of transformers' built-in ones (as in egmla's config)."""
-        if self.layer_types is not None and set(self.layer_types) != {EGMLA_LAYER_TYPE}:
-            raise ValueError(f"`layer_types` entries must all be {EGMLA_LAYER_TYPE!r}, got {self.layer_types}.")
+        if self.layer_types is not None and self.layer_types != [EGMLA_LAYER_TYPE] * self.num_hidden_layers:
+            raise ValueError(
+                f"`layer_types` must be {EGMLA_LAYER_TYPE!r} for each of the {self.num_hidden_layers} layers "
+                f"(`num_hidden_layers`), got {self.layer_types}."
+            )
 
     @property
     def gate_enabled(self) -> bool:

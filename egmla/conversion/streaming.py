@@ -1,0 +1,227 @@
+"""Streaming conversion (`egmla convert --stream`): the source is read one decoder layer at a time from its
+safetensors files (`safe_open`), calibrated on the hidden states the layer before it produced (kept on the host in
+the chosen dtype), factorized, and its student layer written as a shard of its own; peak memory is one source layer
+and one student layer, the embeddings and the calibration activations, not two whole models. Closed form only: the
+split search, the gate fit, the layer-wise fit, the recovery and the held-out scoring each need the whole model."""
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+from transformers import AutoConfig, GenerationConfig
+from transformers.dynamic_module_utils import custom_object_save
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+from ..modeling_egmla import EGMLAForCausalLM
+from ..outputs import atomic_folder, check_output_folder
+from ..text import split_documents, token_blocks
+from .calibration import StatisticsRecorder
+from .convert import (
+    Budget,
+    ConversionOptions,
+    ConversionPlan,
+    factorize_layer,
+    layer_attention_state,
+    resolve_budget,
+    student_config,
+)
+from .pipeline import read_calibration_text
+from .rope import RopeSplit
+from .search import ROPE_SHARES
+from .source import SOURCE_CLASSES, check_family, check_supported, load_tokenizer
+from .timing import StageTimes
+
+SOURCE_LAYERS = {"llama": LlamaDecoderLayer, "mistral": MistralDecoderLayer, "qwen2": Qwen2DecoderLayer}
+# The share of the cut's values the rope key takes when the search cannot run: a quarter, the search's choice on
+# stories260K and SmolLM2-135M alike.
+STREAMED_ROPE_SHARE = 0.25
+assert STREAMED_ROPE_SHARE in ROPE_SHARES
+
+
+class SourceFiles:
+    """A checkpoint folder's safetensors files, read a tensor group at a time."""
+
+    def __init__(self, folder: Path):
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            self.weight_map = json.loads(index.read_text())["weight_map"]
+        elif (folder / "model.safetensors").exists():
+            with safe_open(folder / "model.safetensors", "pt") as weights:
+                self.weight_map = dict.fromkeys(weights.keys(), "model.safetensors")
+        else:
+            raise ValueError(f"--stream reads safetensors: {folder} has no model.safetensors (or its index).")
+        self.folder = folder
+
+    def read(self, prefix: str, outside_layers: bool = False) -> dict[str, torch.Tensor]:
+        """Every tensor whose name starts with `prefix`, named without it (with `outside_layers`, none of the decoder
+        layers': the embeddings, the final norm, the head)."""
+        names = [name for name in self.weight_map if name.startswith(prefix)]
+        if outside_layers:
+            names = [name for name in names if not name.startswith("model.layers.")]
+        tensors = {}
+        for file in sorted({self.weight_map[name] for name in names}):
+            with safe_open(self.folder / file, "pt") as weights:
+                tensors.update(
+                    {name[len(prefix) :]: weights.get_tensor(name) for name in names if name in weights.keys()}
+                )
+        return tensors
+
+
+def streamed_options(options: ConversionOptions, config) -> ConversionOptions:
+    """The options as streaming can convert them: the search's "auto" becomes a shared rope key of a quarter of the
+    cut's values (its usual choice); per-layer ranks by energy need every layer's spectrum at once."""
+    if options.rank_allocation != "uniform":
+        raise ValueError("--stream allocates ranks uniformly: rank_allocation='energy' needs every layer at once.")
+    if options.rope_split != "auto":
+        return options
+    values = 2 * config.num_key_value_heads * config.head_dim
+    budget_values = options.kv_lora_rank if options.kv_cut is None else round(values * (1 - options.kv_cut))
+    pairs = max(1, round(budget_values * STREAMED_ROPE_SHARE / 2))
+    return dataclasses.replace(options, rope_split="shared", rope_pairs=pairs)
+
+
+def causal_mask(length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[1, 1, S, S] additive: what every attention implementation of a source layer reads alike."""
+    blocked = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
+    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)[
+        None, None
+    ]
+
+
+@torch.no_grad()
+def run_layer(layer: torch.nn.Module, hidden: torch.Tensor, rotary: torch.nn.Module, batch_size: int = 8):
+    """The layer's statistics and its outputs on `hidden` [N, S, D] (host), in batches on the layer's device."""
+    device, dtype = layer.input_layernorm.weight.device, layer.input_layernorm.weight.dtype
+    recorder = StatisticsRecorder(layer.self_attn)
+    handle = layer.self_attn.q_proj.register_forward_pre_hook(recorder)
+    positions = torch.arange(hidden.shape[1], device=device)[None]
+    mask, outputs = causal_mask(hidden.shape[1], dtype, device), torch.empty_like(hidden)
+    try:
+        for start in range(0, len(hidden), batch_size):
+            states = hidden[start : start + batch_size].to(device)
+            rotation = rotary(states, positions)
+            output = layer(states, attention_mask=mask, position_ids=positions, position_embeddings=rotation)
+            outputs[start : start + batch_size] = (output[0] if isinstance(output, tuple) else output).cpu()
+    finally:
+        handle.remove()
+    return recorder.statistics(), outputs
+
+
+def source_layer(shell: torch.nn.Module, files: SourceFiles, layer_idx: int, placement) -> torch.nn.Module:
+    """Decoder layer `layer_idx` of the source, read from its files onto the placement's device and dtype."""
+    config = shell.config
+    with torch.device("meta"):
+        layer = SOURCE_LAYERS[config.model_type](config, layer_idx)
+    layer.load_state_dict(files.read(f"model.layers.{layer_idx}."), assign=True, strict=True)
+    return layer.to(device=placement.torch_device(), dtype=placement.torch_dtype).eval()
+
+
+def source_shell(config) -> torch.nn.Module:
+    """The source model without weights (meta), its rotary embedding real: what the config-level functions read."""
+    with torch.device("meta"):
+        shell = SOURCE_CLASSES[config.model_type](config)
+    shell.model.rotary_emb = type(shell.model.rotary_emb)(config=config)
+    return shell
+
+
+def student_layer_state(shell, layer, layer_idx: int, converted: tuple, interim) -> dict[str, torch.Tensor]:
+    """The student's tensors of one layer: the converted attention and the source's MLP and norms as they are."""
+    state = layer_attention_state(
+        layer_idx, layer.self_attn, interim, converted, shell.model.rotary_emb.attention_scaling
+    )
+    prefix = f"model.layers.{layer_idx}."
+    for name, tensor in layer.state_dict().items():
+        if not name.startswith("self_attn."):
+            state[prefix + name] = tensor
+    return state
+
+
+def write_shard(staging: Path, name: str, state: dict, dtype: torch.dtype, weight_map: dict) -> int:
+    save_file({key: value.to(dtype).contiguous().cpu() for key, value in state.items()}, staging / name)
+    weight_map.update(dict.fromkeys(state, name))
+    return sum(value.numel() * dtype.itemsize for value in state.values())
+
+
+def calibration_hidden(files: SourceFiles, job, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The calibration blocks [N, S] from the fitting text, and their embeddings [N, S, D] on the host."""
+    if job.text.train_text is None:
+        raise ValueError("--stream calibrates on text: give --train-text FILE (sampling text needs the whole model).")
+    documents = read_calibration_text(job.text.train_text, job.text.eval_text is None)
+    if job.text.eval_text is None:  # the last 10% stay held out, as in the whole-model conversion
+        documents, _ = split_documents(documents, 0.1)
+    blocks = token_blocks(tokenizer, documents, job.text.block_size)[: job.text.calibration_blocks]
+    embeddings = files.read("model.embed_tokens.")["weight"]
+    return blocks, torch.nn.functional.embedding(blocks, embeddings).to(job.placement.torch_dtype)
+
+
+def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path) -> tuple[list, dict, int]:
+    """Every layer read, calibrated, factorized and written: (each layer's rope frequencies, the weight map, bytes)."""
+    options, placement = job.options, job.placement
+    tokenizer = load_tokenizer(str(files.folder))
+    _, hidden = calibration_hidden(files, job, tokenizer)
+    inv_freq = shell.model.rotary_emb.inv_freq.float().cpu()
+    interim = student_config(shell, ConversionPlan(options, budget, [], [], []))
+    frequencies, weight_map, total = [], {}, 0
+    for layer_idx in tqdm(range(shell.config.num_hidden_layers), desc="streaming layers", unit="layer", leave=False):
+        layer = source_layer(shell, files, layer_idx, placement)
+        statistics, hidden = run_layer(layer, hidden, shell.model.rotary_emb.to(layer.input_layernorm.weight.device))
+        split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, budget, options)
+        converted = (split, factorization.truncate(budget.kv_lora_rank))
+        state = student_layer_state(shell, layer, layer_idx, converted, interim)
+        total += write_shard(
+            staging, f"model-layer-{layer_idx:05d}.safetensors", state, placement.torch_dtype, weight_map
+        )
+        frequencies.append(split.frequencies)
+        del layer, state, converted, split, factorization  # one layer at a time
+    return frequencies, weight_map, total
+
+
+def run_streaming_conversion(job) -> dict:
+    """Converts `job.source` (a local folder of safetensors) in closed form, layer by layer, into `job.out`."""
+    folder = Path(job.source)
+    if not folder.is_dir():
+        raise ValueError(f"--stream reads a local folder of safetensors files; {job.source} is not one.")
+    check_output_folder(job.out, job.overwrite, (str(folder),))
+    started = time.time()
+    config = AutoConfig.from_pretrained(folder)
+    check_family(config.model_type, job.source)
+    check_supported(config)
+    options = streamed_options(job.options, config)
+    job = dataclasses.replace(job, options=options)
+    files, shell, budget = SourceFiles(folder), source_shell(config), resolve_budget(config, options)
+    times = StageTimes()
+    with atomic_folder(job.out, job.overwrite, (str(folder),)) as staging:
+        with times.stage("layers"):
+            frequencies, weight_map, total = layer_by_layer(shell, files, job, budget, staging)
+        with times.stage("embeddings and head"):
+            outer = files.read("", outside_layers=True)
+            total += write_shard(staging, "model-outer.safetensors", outer, job.placement.torch_dtype, weight_map)
+        splits = [RopeSplit(layer, *(torch.empty(0),) * 4) for layer in frequencies]  # student_config reads these only
+        config_out = student_config(
+            shell, ConversionPlan(options, budget, splits, [], [budget.kv_lora_rank] * len(splits))
+        )
+        save_config(config_out, staging, weight_map, total, job.placement.dtype)
+        load_tokenizer(str(folder)).save_pretrained(staging)
+        report = {"source": folder.name, "options": dataclasses.asdict(options), "budget": dataclasses.asdict(budget),
+                  "streamed": True, "seconds": round(time.time() - started, 1), "stage_seconds": times.seconds}  # fmt: skip
+        (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"streamed {config.num_hidden_layers} layers into {job.out} ({report['seconds']} s, closed form)")
+    return report
+
+
+def save_config(config, staging: Path, weight_map: dict, total: int, dtype: str) -> None:
+    """config.json with the remote-code files and `auto_map`, the generation config and the shards' index."""
+    config.dtype = dtype
+    with torch.device("meta"):
+        custom_object_save(EGMLAForCausalLM(config), staging, config=config)
+    config.save_pretrained(staging)
+    GenerationConfig.from_model_config(config).save_pretrained(staging)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

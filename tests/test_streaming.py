@@ -1,0 +1,94 @@
+"""`egmla convert --stream`: the source read, calibrated, converted and written one layer at a time equals the
+whole-model conversion of the same options and calibration blocks, reads no more than one layer of the source at
+once, and writes a folder that loads like any other."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from egmla.cli import main
+from egmla.conversion import ConversionOptions, convert_llama_to_egmla, load_llama
+from egmla.conversion.pipeline import read_calibration_text
+from egmla.conversion.source import load_tokenizer
+from egmla.conversion.streaming import SourceFiles
+from egmla.data import EXCERPT
+from egmla.text import split_documents, token_blocks
+from tests.utils import tiny_source, with_tokenizer
+
+FLAGS = ["--train-text", str(EXCERPT), "--calibration-blocks", "8", "--block-size", "64"]
+SPLITS = {
+    "shared": (["--rope-split", "shared", "--rope-pairs", "4"], {"rope_split": "shared", "rope_pairs": 4}),
+    "exact": (["--rope-split", "exact"], {"rope_split": "exact"}),
+}
+
+
+def sharded_source(folder: Path, family: str) -> Path:
+    tiny_source(family, vocab_size=512).save_pretrained(folder, max_shard_size="100KB")  # several files, an index
+    return with_tokenizer(folder)
+
+
+def calibration_blocks(source: Path) -> torch.Tensor:
+    """The blocks the streamed conversion calibrates on: the fitting 90% of the text's documents."""
+    documents, _ = split_documents(read_calibration_text(EXCERPT, True), 0.1)
+    return token_blocks(load_tokenizer(str(source)), documents, 64)[:8]
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_streamed_conversion_equals_the_whole_model_one(tmp_path, family, split, monkeypatch):
+    source = sharded_source(tmp_path / "src", family)
+    read = []
+    original = SourceFiles.read
+    monkeypatch.setattr(
+        SourceFiles, "read", lambda self, *args, **kw: read.append(original(self, *args, **kw)) or read[-1]
+    )
+    flags, fields = SPLITS[split]
+    main(["convert", str(source), "--out", str(tmp_path / "out"), "--stream", "--kv-lora-rank", "12", *flags, *FLAGS])
+    streamed = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    whole = convert_llama_to_egmla(
+        load_llama(source), ConversionOptions(kv_lora_rank=12, **fields), calibration_blocks(source)
+    )
+    input_ids = torch.randint(3, 500, (2, 50), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(input_ids).logits, whole(input_ids).logits, rtol=0, atol=1e-5)
+    # Read one group at a time: the embeddings, each decoder layer alone, then the tensors outside the layers.
+    embeddings, *layers, outer = read
+    assert list(embeddings) == ["weight"] and len(layers) == 2
+    assert all(
+        name.split(".")[0] in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+        for layer in layers
+        for name in layer
+    )
+    assert not any(name.startswith("model.layers.") for name in outer)
+    report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
+    assert report["streamed"] and json.loads((tmp_path / "out" / "config.json").read_text())["auto_map"]
+
+
+def test_streaming_picks_the_searchs_usual_split_and_refuses_what_needs_the_whole_model(tmp_path):
+    source = sharded_source(tmp_path / "src", "llama")
+    main(["convert", str(source), "--out", str(tmp_path / "out"), "--stream", "--kv-cut", "0.5", *FLAGS])
+    report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
+    # 2 KV heads x 16 dims x 2 = 64 values, a 50% cut keeps 32: a quarter (8 values, 4 pairs) for the shared rope key.
+    assert report["options"]["rope_split"] == "shared" and report["options"]["rope_pairs"] == 4
+    assert report["budget"]["kv_lora_rank"] == 24
+    with pytest.raises(SystemExit, match="--stream calibrates on text: give --train-text FILE"):
+        main(["convert", str(source), "--out", str(tmp_path / "b"), "--stream", "--kv-cut", "0.5"])  # no text
+    with pytest.raises(SystemExit, match="rank_allocation='energy' needs every layer at once"):
+        main(
+            [
+                "convert",
+                str(source),
+                "--out",
+                str(tmp_path / "c"),
+                "--stream",
+                "--kv-cut",
+                "0.5",
+                "--rank-allocation",
+                "energy",
+                *FLAGS,
+            ]
+        )
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
