@@ -22,6 +22,8 @@ FLAGS = ["--train-text", str(EXCERPT), "--calibration-blocks", "8", "--block-siz
 SPLITS = {
     "shared": (["--rope-split", "shared", "--rope-pairs", "4"], {"rope_split": "shared", "rope_pairs": 4}),
     "exact": (["--rope-split", "exact"], {"rope_split": "exact"}),
+    # More pairs than one head's 8 frequencies (as a 1B Llama's quarter, 40 pairs of 32): drawn across KV heads.
+    "shared-wide": (["--rope-split", "shared", "--rope-pairs", "12"], {"rope_split": "shared", "rope_pairs": 12}),
 }
 
 
@@ -65,6 +67,11 @@ def test_a_streamed_conversion_equals_the_whole_model_one(tmp_path, family, spli
     assert not any(name.startswith("model.layers.") for name in outer)
     report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
     assert report["streamed"] and json.loads((tmp_path / "out" / "config.json").read_text())["auto_map"]
+    card = (tmp_path / "out" / "README.md").read_text()  # a Hub model card, its cache size the budget's
+    sizes = (
+        f"{report['budget']['source_values_per_token_per_layer']} -> {report['budget']['values_per_token_per_layer']}"
+    )
+    assert f"KV values / token / layer (the budget's) | {sizes}" in card and "egmla convert --stream" in card
 
 
 def test_streaming_picks_the_searchs_usual_split_and_refuses_what_needs_the_whole_model(tmp_path):

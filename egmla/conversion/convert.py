@@ -275,10 +275,7 @@ def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConf
         tie_word_embeddings=config.tie_word_embeddings,
         rope_parameters=llama_rope_parameters(teacher),
         rope_frequency_dim=config.head_dim,
-        # None for "exact", or while the splits are not known yet (streaming converts the layers after this config).
-        rope_frequency_indices=None
-        if options.rope_mode == "exact" or not plan.splits
-        else [split.frequencies for split in plan.splits],
+        rope_frequency_indices=None if options.rope_mode == "exact" else [split.frequencies for split in plan.splits],
         attention_dropout=config.attention_dropout,
         attention_bias=has_bias(teacher.model.layers[0].self_attn),
         bos_token_id=config.bos_token_id,
@@ -288,30 +285,30 @@ def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConf
     )
 
 
-def attention_state(
-    teacher: LlamaForCausalLM, config: EGMLAConfig, splits: list[RopeSplit], factors: list[tuple]
-) -> dict[str, torch.Tensor]:
-    """The student's attention weights per layer from the splits and the truncated (down, up) factors."""
+def attention_state(teacher: LlamaForCausalLM, plan: ConversionPlan) -> dict[str, torch.Tensor]:
+    """The student's attention weights per layer from the plan's splits and truncated (down, up) factors."""
     scaling = teacher.model.rotary_emb.attention_scaling
     state = {}
-    for layer_idx, (layer, split, factor) in enumerate(zip(teacher.model.layers, splits, factors, strict=True)):
-        state.update(layer_attention_state(layer_idx, layer.self_attn, config, (split, factor), scaling))
+    layers = zip(teacher.model.layers, plan.splits, plan.factors, strict=True)
+    for layer_idx, (layer, split, factor) in enumerate(layers):
+        state.update(layer_attention_state(layer_idx, layer.self_attn, plan, (split, factor), scaling))
     return state
 
 
 def layer_attention_state(
-    layer_idx: int, attention: torch.nn.Module, config: EGMLAConfig, converted: tuple, attention_scaling: float
+    layer_idx: int, attention: torch.nn.Module, plan: ConversionPlan, converted: tuple, attention_scaling: float
 ) -> dict[str, torch.Tensor]:
-    """One layer's student attention weights from its rope split and truncated (down, up) factors (`converted`)."""
+    """One layer's student attention weights from its rope split and truncated (down, up) factors (`converted`);
+    the plan gives the student's shape (its splits and factors may still be empty: streaming goes layer by layer)."""
     split, (down, up) = converted
-    source = attention.config
+    source, options, budget = attention.config, plan.options, plan.budget
     head_dim, key_heads, query_heads = source.head_dim, source.num_key_value_heads, source.num_attention_heads
     group = query_heads // key_heads
     # The student's softmax scale is 1/sqrt(dn + dr), the source's 1/sqrt(hd): the queries make up the difference.
-    query_factor = (config.qk_head_dim / head_dim) ** 0.5
+    query_factor = ((budget.nope_dim + 2 * budget.rope_pairs) / head_dim) ** 0.5
     # The source scales whole heads by the rope's attention factor (YaRN); NoPE dims must keep it. In "exact"
     # mode the rows in the NoPE slot are every dim of the head, rotated (and so scaled) as in the source.
-    nope_factor = query_factor * (1.0 if config.rope_mode == "exact" else attention_scaling**2)
+    nope_factor = query_factor * (1.0 if options.rope_mode == "exact" else attention_scaling**2)
     prefix = f"model.layers.{layer_idx}.self_attn."
     up = up.view(key_heads, split.nope_key.shape[1] + head_dim, -1)  # per KV head: [rebuilt key ; value] rows
     queries = [
@@ -319,7 +316,7 @@ def layer_attention_state(
     ]
     state = linear_state(prefix + "q_proj.", torch.cat(queries), source.hidden_size)
     state.update(linear_state(prefix + "kv_a_proj_with_mqa.", torch.cat([down, split.rope_key]), source.hidden_size))
-    per_key_head = config.num_key_value_heads == key_heads
+    per_key_head = student_key_heads(source, options) == key_heads
     heads = up.unbind() if per_key_head else [up[h // group] for h in range(query_heads)]
     state[prefix + "kv_b_proj.weight"] = torch.cat(heads).float()
     state.update(output_state(prefix + "o_proj.", attention, group))
@@ -391,4 +388,4 @@ def plan_layers(
 def build_student(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAForCausalLM:
     """The EG-MLA model a plan describes (see the module docstring, step 5); the source is never modified."""
     config = student_config(teacher, plan)
-    return assemble(teacher, config, attention_state(teacher, config, plan.splits, plan.factors), plan.options.seed)
+    return assemble(teacher, config, attention_state(teacher, plan), plan.options.seed)

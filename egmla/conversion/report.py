@@ -17,17 +17,23 @@ def extra_bytes(kv: dict) -> str:
     return f", {positions:.0f} B of position" if positions else ""
 
 
+def kv_row(report: dict) -> tuple[str, str]:
+    """The cache per token: measured on `generate`'s caches, or (a streamed conversion, never run whole) the budget's."""
+    kv = report.get("kv")
+    if kv is None:
+        budget = report["budget"]
+        before, after = budget["source_values_per_token_per_layer"], budget["values_per_token_per_layer"]
+        return "KV values / token / layer (the budget's)", f"{before} -> {after} ({1 - after / before:.2%} fewer)"
+    return (
+        "KV values / token / layer",
+        f"{kv['source']:.1f} -> {kv['converted']:.1f} "
+        f"({1 - kv['converted'] / kv['source']:.2%} fewer; + {kv['converted_token_id_bytes']:.0f} B of token id"
+        f"{extra_bytes(kv)})",
+    )
+
+
 def report_rows(report: dict) -> list[tuple[str, str]]:
-    kv = report["kv"]
-    rows = [
-        ("source", report["source"]),
-        (
-            "KV values / token / layer",
-            f"{kv['source']:.1f} -> {kv['converted']:.1f} "
-            f"({1 - kv['converted'] / kv['source']:.2%} fewer; + {kv['converted_token_id_bytes']:.0f} B of token id"
-            f"{extra_bytes(kv)})",
-        ),
-    ]
+    rows = [("source", report["source"]), kv_row(report)]
     gate = report.get("reconstruction", {}).get("gate")
     if gate:
         fitted = [row for row in gate if row["fitted"]]
@@ -156,6 +162,20 @@ def gate_words(report: dict) -> str:
     return f"the embedding gate on the {'rebuilt K/V' if options['gate_position'] == 'kv' else 'latent'}"
 
 
+def measurement_words(report: dict) -> str:
+    """How the card's measurements were made."""
+    if report.get("streamed"):
+        return (
+            "Converted in closed form one layer at a time (`egmla convert --stream`): the cache size is the budget's "
+            "and nothing was scored; `egmla finetune` recovers and scores it."
+        )
+    return (
+        "KV values are read from the cache objects of real `generate` calls; perplexities are on held-out documents "
+        "never used for fitting, each scored whole from its first token up to the source's context "
+        f"({report.get('eval_text', 'see the report')})."
+    )
+
+
 def write_model_card(folder: Path, report: dict) -> None:
     """README.md (a Hub model card made by huggingface_hub, its metadata from `report["card"]`) and
     conversion_report.json in the output folder."""
@@ -186,9 +206,7 @@ model = AutoModelForCausalLM.from_pretrained("<this folder or repo>", trust_remo
 |---|---|
 {table}
 
-KV values are read from the cache objects of real `generate` calls; perplexities are on held-out documents
-never used for fitting, each scored whole from its first token up to the source's context
-({report.get("eval_text", "see the report")}).
+{measurement_words(report)}
 
 {position_table(report)}
 

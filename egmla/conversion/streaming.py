@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
+from ..hub import public_name, source_metadata
 from ..modeling_egmla import EGMLAForCausalLM
 from ..outputs import atomic_folder, check_output_folder
 from ..text import split_documents, token_blocks
@@ -33,6 +34,7 @@ from .convert import (
     student_config,
 )
 from .pipeline import read_calibration_text
+from .report import write_model_card
 from .rope import RopeSplit
 from .search import ROPE_SHARES
 from .source import SOURCE_CLASSES, check_family, check_supported, load_tokenizer
@@ -131,11 +133,9 @@ def source_shell(config) -> torch.nn.Module:
     return shell
 
 
-def student_layer_state(shell, layer, layer_idx: int, converted: tuple, interim) -> dict[str, torch.Tensor]:
+def student_layer_state(shell, layer, layer_idx: int, converted: tuple, plan) -> dict[str, torch.Tensor]:
     """The student's tensors of one layer: the converted attention and the source's MLP and norms as they are."""
-    state = layer_attention_state(
-        layer_idx, layer.self_attn, interim, converted, shell.model.rotary_emb.attention_scaling
-    )
+    state = layer_attention_state(layer_idx, layer.self_attn, plan, converted, shell.model.rotary_emb.attention_scaling)
     prefix = f"model.layers.{layer_idx}."
     for name, tensor in layer.state_dict().items():
         if not name.startswith("self_attn."):
@@ -167,14 +167,14 @@ def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path
     tokenizer = load_tokenizer(str(files.folder))
     _, hidden = calibration_hidden(files, job, tokenizer)
     inv_freq = shell.model.rotary_emb.inv_freq.float().cpu()
-    interim = student_config(shell, ConversionPlan(options, budget, [], [], []))
+    plan = ConversionPlan(options, budget, [], [], [])  # the shape; the splits and factors come layer by layer
     frequencies, weight_map, total = [], {}, 0
     for layer_idx in tqdm(range(shell.config.num_hidden_layers), desc="streaming layers", unit="layer", leave=False):
         layer = source_layer(shell, files, layer_idx, placement)
         statistics, hidden = run_layer(layer, hidden, shell.model.rotary_emb.to(layer.input_layernorm.weight.device))
         split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, budget, options)
         converted = (split, factorization.truncate(budget.kv_lora_rank))
-        state = student_layer_state(shell, layer, layer_idx, converted, interim)
+        state = student_layer_state(shell, layer, layer_idx, converted, plan)
         total += write_shard(
             staging, f"model-layer-{layer_idx:05d}.safetensors", state, placement.torch_dtype, weight_map
         )
@@ -209,9 +209,13 @@ def run_streaming_conversion(job) -> dict:
         )
         save_config(config_out, staging, weight_map, total, job.placement.dtype)
         load_tokenizer(str(folder)).save_pretrained(staging)
-        report = {"source": folder.name, "options": dataclasses.asdict(options), "budget": dataclasses.asdict(budget),
-                  "streamed": True, "seconds": round(time.time() - started, 1), "stage_seconds": times.seconds}  # fmt: skip
-        (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        report = {"source": public_name(job.source), "options": dataclasses.asdict(options),
+                  "budget": dataclasses.asdict(budget), "streamed": True, "seconds": round(time.time() - started, 1),
+                  "stage_seconds": times.seconds, "placement": {"device": str(job.placement.torch_device()),
+                  "dtype": job.placement.dtype}}  # fmt: skip
+        metadata = source_metadata(job.source, job.base_model, job.license)
+        report["card"] = {**dataclasses.asdict(metadata), "model_name": Path(job.out).name}
+        write_model_card(staging, report)
     print(f"streamed {config.num_hidden_layers} layers into {job.out} ({report['seconds']} s, closed form)")
     return report
 
