@@ -141,6 +141,7 @@ def row(name: str, gigabytes: float, result: dict, budget: dict) -> dict:
         "shape": name,
         "checkpoint_gb": round(gigabytes, 4),
         "kv_lora_rank": budget["kv_lora_rank"],
+        "streamed": result["report"].get("streamed", False),
         "wall_s": round(result["wall_s"], 1),
         "stage_seconds": result["report"]["stage_seconds"],
         "peak_rss_gb": round(result["peak_rss_gb"], 2),
@@ -149,8 +150,15 @@ def row(name: str, gigabytes: float, result: dict, budget: dict) -> dict:
 
 
 def print_rows(rows: list[dict], args: argparse.Namespace) -> None:
-    kind = "closed form" if args.closed_form else "defaults"
-    print(f"\n{kind}, {args.layers or 'all'} layers, {args.dtype} (wall s, peak RSS GB from the OS)")
+    kind = (
+        "streamed (closed form)"
+        if "--stream" in args.convert_flags
+        else "closed form"
+        if args.closed_form
+        else "defaults"
+    )
+    extra = f", {' '.join(args.convert_flags)}" if args.convert_flags else ""
+    print(f"\n{kind}, {args.layers or 'all'} layers, {args.dtype}{extra} (wall s, peak RSS GB from the OS)")
     print("| shape | checkpoint GB | wall s | peak RSS GB | RSS / checkpoint | seconds by stage |")
     print("|---|---|---|---|---|---|")
     for entry in rows:
