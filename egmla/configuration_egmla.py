@@ -262,51 +262,41 @@ class EGMLAConfig(PreTrainedConfig):
         return sum(self.layer_kv_lora_rank(i) + self.rope_key_width for i in range(self.num_hidden_layers))
 
     def validate_architecture(self):
-        """The rules between fields (each field's own rule is declared on it); every error names its field."""
-        layers, frequencies = self.num_hidden_layers, self.rope_frequency_dim or self.qk_rope_head_dim
-        ranks = self.kv_lora_rank
+        """The rules between fields (each field's own rule is declared on it); every error names its fields."""
+        layers, ranks, indices = self.num_hidden_layers, self.kv_lora_rank, self.rope_frequency_indices
+        frequencies, pairs = self.rope_frequency_dim or self.qk_rope_head_dim, self.qk_rope_head_dim // 2
         require(
             not isinstance(ranks, list) or len(ranks) == layers, f"`kv_lora_rank` lists {ranks} for {layers} layers."
         )
-        for name, within in (("num_key_value_heads", "num_attention_heads"), ("rope_key_heads", "num_key_value_heads")):
-            require(
-                getattr(self, within) % getattr(self, name) == 0,
-                f"`{name}` ({getattr(self, name)}) must divide `{within}` ({getattr(self, within)}): each key head, "
-                "and each rope key, serves an equal group of query heads.",
-            )
+        # Each key head, rope key and gate table serves an equal group of query heads, key heads or layers.
+        groups = (("num_key_value_heads", "num_attention_heads"), ("rope_key_heads", "num_key_value_heads"),
+                  ("gate_layers_per_table", "num_hidden_layers"))  # fmt: skip
+        for part, whole in groups:
+            part_value, whole_value = getattr(self, part), getattr(self, whole)
+            require(whole_value % part_value == 0, f"`{part}` ({part_value}) must divide `{whole}` ({whole_value}).")
         require(
-            layers % self.gate_layers_per_table == 0,
-            f"`gate_layers_per_table` ({self.gate_layers_per_table}) must divide `num_hidden_layers` ({layers}): "
-            "every gate table serves an equal group of layers.",
+            self.rope_mode != "exact" or (self.rope_key_heads == 1 and indices is None),
+            "`rope_mode` 'exact' rotates every rebuilt key with the first frequencies: it takes rope_key_heads=1 and "
+            f"no rope_frequency_indices (got {self.rope_key_heads}, {indices}).",
         )
-        require(
-            self.rope_mode != "exact" or (self.rope_key_heads == 1 and self.rope_frequency_indices is None),
-            "`rope_mode` 'exact' rotates every head's rebuilt key with the first qk_rope_head_dim // 2 frequencies: "
-            f"it takes rope_key_heads=1 and no rope_frequency_indices (got {self.rope_key_heads}, "
-            f"{self.rope_frequency_indices}).",
-        )
-        indices, pairs = self.rope_frequency_indices, self.qk_rope_head_dim // 2
-        shape = [[pairs] * self.rope_key_heads] * layers  # of the indices: per layer, per rope key, per pair
         require(
             indices is not None or frequencies >= self.qk_rope_head_dim,  # the pairs take the first frequencies
             f"`rope_frequency_dim` ({frequencies}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim}) unless "
             "`rope_frequency_indices` says which frequency each pair uses.",
         )
         require(
-            indices is None or [[len(head) for head in layer] for layer in indices] == shape,
-            f"`rope_frequency_indices` must hold, for each of the {layers} layers, {self.rope_key_heads} lists (one "
-            f"per rope key head) of {pairs} frequency indices, got {indices}.",
-        )
-        require(
-            indices is None or all(0 <= i < frequencies // 2 for layer in indices for head in layer for i in head),
-            f"`rope_frequency_indices` must lie in [0, rope_frequency_dim // 2 = {frequencies // 2}).",
+            indices is None
+            or (
+                [[len(head) for head in layer] for layer in indices] == [[pairs] * self.rope_key_heads] * layers
+                and all(0 <= i < frequencies // 2 for layer in indices for head in layer for i in head)
+            ),
+            f"`rope_frequency_indices` must hold, for each of the {layers} layers and {self.rope_key_heads} rope keys, "
+            f"{pairs} frequency indices in [0, rope_frequency_dim // 2 = {frequencies // 2}), got {indices}.",
         )
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
-            require(
-                all(token_id is None or 0 <= token_id < self.vocab_size for token_id in _as_list(value)),
-                f"`{name}` must be None or lie in [0, vocab_size={self.vocab_size}), got {value}.",
-            )
+            valid = all(token_id is None or 0 <= token_id < self.vocab_size for token_id in _as_list(value))
+            require(valid, f"`{name}` must be None or lie in [0, vocab_size={self.vocab_size}), got {value}.")
 
     def to_dict(self) -> dict:
         """As saved: `layer_types` is left out while it is the default (every layer egmla's), so that tools that
