@@ -115,14 +115,18 @@ def default_rope_pairs(head_dim: int, rope_split: str) -> int:
     return max(1, head_dim // 16) if rope_split == "per_head" else max(1, head_dim // 4)
 
 
+def cut_values(source_config, kv_cut: float) -> int:
+    """The K/V values per token per layer that a cut of `kv_cut` leaves of the source's."""
+    return round(2 * source_config.num_key_value_heads * source_config.head_dim * (1 - kv_cut))
+
+
 def kv_lora_rank_for_cut(source_config, kv_cut: float, rope_values: int) -> int:
     """The latent width that, with `rope_values` rope-key values, caches (1 - kv_cut) of the source's K/V values
     per token per layer."""
-    source_values = 2 * source_config.num_key_value_heads * source_config.head_dim
-    rank = round(source_values * (1 - kv_cut)) - rope_values
+    rank = cut_values(source_config, kv_cut) - rope_values
     if rank <= 0:
         raise ValueError(
-            f"A {kv_cut:.2%} cut leaves {round(source_values * (1 - kv_cut))} values per token per layer, no more "
+            f"A {kv_cut:.2%} cut leaves {cut_values(source_config, kv_cut)} values per token per layer, no more "
             f"than the {rope_values} values of the rope keys: lower rope_pairs or kv_cut."
         )
     return rank

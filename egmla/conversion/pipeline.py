@@ -142,12 +142,20 @@ def read_calibration_text(path: Path, holds_out: bool) -> list[str]:
     return documents
 
 
+def split_train_text(settings: TextSettings) -> tuple[list[str], list[str] | None]:
+    """The fitting documents of the calibration text and, without an eval text, its held-out last 10% (None when
+    an eval text is given)."""
+    documents = read_calibration_text(settings.train_text, settings.eval_text is None)
+    if settings.eval_text is not None:
+        return documents, None
+    return split_documents(documents, 0.1)
+
+
 def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
     context = teacher.config.max_position_embeddings
     if settings.train_text is not None:
-        documents = read_calibration_text(settings.train_text, settings.eval_text is None)
-        if settings.eval_text is None:
-            documents, held_out_documents = split_documents(documents, 0.1)
+        documents, held_out_documents = split_train_text(settings)
+        if held_out_documents is not None:
             eval_source = f"the last 10% of the documents of {public_name(settings.train_text)}"
         else:
             held_out_documents = read_documents(settings.eval_text)

@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 
 from ..text import packed_blocks, perplexity
 from .calibration import LayerStatistics, calibrate
-from .convert import ConversionOptions, build_student, plan_layers, student_key_heads
+from .convert import ConversionOptions, build_student, cut_values, plan_layers, student_key_heads
 from .decode_cost import cost_row, egmla_cost, source_cost
 
 HELD_OUT_BLOCKS = 8  # at most: a slice of the calibration blocks that the candidates are not fitted on
@@ -29,9 +29,14 @@ def rope_pair_choices(source_config, options: ConversionOptions) -> list[int]:
     head_dim, key_heads = source_config.head_dim, source_config.num_key_value_heads
     if options.kv_cut is None:
         return sorted({max(1, head_dim // 16), max(1, head_dim // 8), max(1, head_dim // 4)})
-    values = round(2 * key_heads * head_dim * (1 - options.kv_cut))
-    pairs = {max(1, round(values * share / 2)) for share in ROPE_SHARES}
+    values = cut_values(source_config, options.kv_cut)
+    pairs = {shared_key_pairs(values, share) for share in ROPE_SHARES}
     return sorted(count for count in pairs if count <= key_heads * head_dim // 2 and 2 * count < values)
+
+
+def shared_key_pairs(values: int, share: float) -> int:
+    """The rotary pairs of a shared rope key that takes `share` of `values` per token per layer (at least one)."""
+    return max(1, round(values * share / 2))
 
 
 def candidates(teacher: LlamaForCausalLM, options: ConversionOptions) -> list[ConversionOptions]:

@@ -22,21 +22,22 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 from ..hub import public_name, source_metadata
 from ..modeling_egmla import EGMLAForCausalLM
 from ..outputs import atomic_folder, check_output_folder
-from ..text import split_documents, token_blocks
+from ..text import token_blocks
 from .calibration import StatisticsRecorder
 from .convert import (
     Budget,
     ConversionOptions,
     ConversionPlan,
+    cut_values,
     factorize_layer,
     layer_attention_state,
     resolve_budget,
     student_config,
 )
-from .pipeline import read_calibration_text
+from .pipeline import split_train_text
 from .report import write_model_card
 from .rope import RopeSplit
-from .search import ROPE_SHARES
+from .search import ROPE_SHARES, shared_key_pairs
 from .source import SOURCE_CLASSES, check_family, check_supported, load_tokenizer
 from .timing import StageTimes
 
@@ -83,9 +84,8 @@ def streamed_options(options: ConversionOptions, config) -> ConversionOptions:
         raise ValueError("--stream allocates ranks uniformly: rank_allocation='energy' needs every layer at once.")
     if options.rope_split != "auto":
         return options
-    values = 2 * config.num_key_value_heads * config.head_dim
-    budget_values = options.kv_lora_rank if options.kv_cut is None else round(values * (1 - options.kv_cut))
-    pairs = max(1, round(budget_values * STREAMED_ROPE_SHARE / 2))
+    values = options.kv_lora_rank if options.kv_cut is None else cut_values(config, options.kv_cut)
+    pairs = shared_key_pairs(values, STREAMED_ROPE_SHARE)
     return dataclasses.replace(options, rope_split="shared", rope_pairs=pairs)
 
 
@@ -105,10 +105,10 @@ def run_layer(layer: torch.nn.Module, hidden: torch.Tensor, rotary: torch.nn.Mod
     handle = layer.self_attn.q_proj.register_forward_pre_hook(recorder)
     positions = torch.arange(hidden.shape[1], device=device)[None]
     mask, outputs = causal_mask(hidden.shape[1], dtype, device), torch.empty_like(hidden)
+    rotation = rotary(hidden[:1].to(device), positions)  # [1, S, hd]: the same positions in every batch
     try:
         for start in range(0, len(hidden), batch_size):
             states = hidden[start : start + batch_size].to(device)
-            rotation = rotary(states, positions)
             output = layer(states, attention_mask=mask, position_ids=positions, position_embeddings=rotation)
             outputs[start : start + batch_size] = (output[0] if isinstance(output, tuple) else output).cpu()
     finally:
@@ -149,23 +149,21 @@ def write_shard(staging: Path, name: str, state: dict, dtype: torch.dtype, weigh
     return sum(value.numel() * dtype.itemsize for value in state.values())
 
 
-def calibration_hidden(files: SourceFiles, job, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """The calibration blocks [N, S] from the fitting text, and their embeddings [N, S, D] on the host."""
+def calibration_hidden(files: SourceFiles, job, tokenizer) -> torch.Tensor:
+    """The embeddings [N, S, D], on the host, of the calibration blocks cut from the fitting text (its held-out
+    documents left out, as in the whole-model conversion)."""
     if job.text.train_text is None:
         raise ValueError("--stream calibrates on text: give --train-text FILE (sampling text needs the whole model).")
-    documents = read_calibration_text(job.text.train_text, job.text.eval_text is None)
-    if job.text.eval_text is None:  # the last 10% stay held out, as in the whole-model conversion
-        documents, _ = split_documents(documents, 0.1)
+    documents, _ = split_train_text(job.text)
     blocks = token_blocks(tokenizer, documents, job.text.block_size)[: job.text.calibration_blocks]
     embeddings = files.read("model.embed_tokens.")["weight"]
-    return blocks, torch.nn.functional.embedding(blocks, embeddings).to(job.placement.torch_dtype)
+    return torch.nn.functional.embedding(blocks, embeddings).to(job.placement.torch_dtype)
 
 
-def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path) -> tuple[list, dict, int]:
+def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path, tokenizer) -> tuple[list, dict, int]:
     """Every layer read, calibrated, factorized and written: (each layer's rope frequencies, the weight map, bytes)."""
     options, placement = job.options, job.placement
-    tokenizer = load_tokenizer(str(files.folder))
-    _, hidden = calibration_hidden(files, job, tokenizer)
+    hidden = calibration_hidden(files, job, tokenizer)
     inv_freq = shell.model.rotary_emb.inv_freq.float().cpu()
     plan = ConversionPlan(options, budget, [], [], [])  # the shape; the splits and factors come layer by layer
     frequencies, weight_map, total = [], {}, 0
@@ -196,10 +194,10 @@ def run_streaming_conversion(job) -> dict:
     options = streamed_options(job.options, config)
     job = dataclasses.replace(job, options=options)
     files, shell, budget = SourceFiles(folder), source_shell(config), resolve_budget(config, options)
-    times = StageTimes()
+    tokenizer, times = load_tokenizer(str(folder)), StageTimes()
     with atomic_folder(job.out, job.overwrite, (str(folder),)) as staging:
         with times.stage("layers"):
-            frequencies, weight_map, total = layer_by_layer(shell, files, job, budget, staging)
+            frequencies, weight_map, total = layer_by_layer(shell, files, job, budget, staging, tokenizer)
         with times.stage("embeddings and head"):
             outer = files.read("", outside_layers=True)
             total += write_shard(staging, "model-outer.safetensors", outer, job.placement.torch_dtype, weight_map)
@@ -208,7 +206,7 @@ def run_streaming_conversion(job) -> dict:
             shell, ConversionPlan(options, budget, splits, [], [budget.kv_lora_rank] * len(splits))
         )
         save_config(config_out, staging, weight_map, total, job.placement.dtype)
-        load_tokenizer(str(folder)).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
         report = {"source": public_name(job.source), "options": dataclasses.asdict(options),
                   "budget": dataclasses.asdict(budget), "streamed": True, "seconds": round(time.time() - started, 1),
                   "stage_seconds": times.seconds, "placement": {"device": str(job.placement.torch_device()),
