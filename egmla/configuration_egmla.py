@@ -11,7 +11,6 @@ from typing import Literal, get_args
 
 from huggingface_hub.dataclasses import strict, validated_field
 from huggingface_hub.errors import StrictDataclassFieldValidationError
-from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
@@ -65,6 +64,8 @@ def known_rope_type(value: dict | None) -> None:
 
 
 def activation(value: str) -> None:
+    from transformers.activations import ACT2FN  # here, not at the top: it imports accelerate, `import egmla` need not
+
     if value not in ACT2FN:
         raise ValueError(f"{value!r} is not a transformers activation")
 

@@ -1155,14 +1155,14 @@ class EGMLAPreTrainedModel(PreTrainedModel):
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
         """Unless asked otherwise, decode through egmla's fused kernels when CUDA and Triton are present and the
-        kernels are registered (`import egmla`)."""
+        kernels are registered (importing `egmla.kernels` or `egmla.EGMLAForCausalLM` does)."""
         if requested_attention is None:
             if not torch.cuda.is_available():
                 logger.info_once("EG-MLA decodes through the reference path: no CUDA (see egmla_fused for the CPU).")
             elif importlib.util.find_spec("triton") is None:
                 logger.warning_once("EG-MLA decodes through the reference path: Triton is not installed.")
             elif "egmla_fused" not in ALL_ATTENTION_FUNCTIONS.valid_keys():
-                logger.warning_once("EG-MLA decodes through the reference path: `import egmla` registers its kernels.")
+                logger.warning_once("EG-MLA decodes through the reference path: `import egmla.kernels` registers them.")
             else:
                 return "egmla_fused"
         return super().get_correct_attn_implementation(requested_attention, is_init_check)
@@ -1209,6 +1209,8 @@ class EGMLAPreTrainedModel(PreTrainedModel):
 
 
 class EGMLAModel(EGMLAPreTrainedModel):
+    _auto_class = "AutoModel"  # saved folders carry this file and an `auto_map` for Hub remote code
+
     def __init__(self, config: EGMLAConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -1323,6 +1325,7 @@ class EGMLAModel(EGMLAPreTrainedModel):
 
 
 class EGMLAForCausalLM(EGMLAPreTrainedModel, GenerationMixin):
+    _auto_class = "AutoModelForCausalLM"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 

@@ -121,22 +121,29 @@ def test_device_map_with_a_layer_offloaded_to_disk(tmp_path, gate_position):
         assert torch.equal(model.generate(input_ids, **options), offloaded.generate(input_ids, **options))
 
 
-def test_import_egmla_loads_no_training_library_of_its_own():
-    """`import egmla` loads no package that a transformers model file (Llama's) does not load already: not peft;
-    accelerate (and triton) only because transformers.modeling_utils imports them when they are installed."""
+def test_import_egmla_is_light_and_the_auto_classes_load_the_model_when_used(tmp_path):
+    """`import egmla` loads neither peft nor accelerate (nor transformers' modeling_utils, which imports accelerate);
+    the Auto classes then load the model file when a folder is opened, and hold the real class afterwards."""
+    tiny_model().save_pretrained(tmp_path)
     probe = (
         "import sys\n"
-        "import transformers.models.llama.modeling_llama\n"
-        "before = {name.split('.')[0] for name in sys.modules}\n"
         "import egmla\n"
-        "print(sorted({name.split('.')[0] for name in sys.modules} - before - {'egmla'}))\n"
-        "print('peft' in sys.modules)\n"
+        "print(sorted({'peft', 'accelerate', 'transformers.modeling_utils', 'egmla.modeling_egmla'} & set(sys.modules)))\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})\n"
+        "print(type(model).__module__, type(model).__name__)\n"
+        "print(AutoModelForCausalLM._model_mapping[egmla.EGMLAConfig] is egmla.EGMLAForCausalLM)\n"
+        "from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS\n"
+        "print('egmla_fused' in ALL_ATTENTION_FUNCTIONS.valid_keys())\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    added, peft = done.stdout.split("\n")[:2]
-    assert peft == "False"
-    assert added == "[]", f"import egmla loaded {added}"
+    assert done.stdout.split("\n")[:4] == [
+        "[]",
+        "egmla.modeling_egmla EGMLAForCausalLM",
+        "True",
+        "True",
+    ], done.stdout
 
 
 def test_the_package_has_no_import_cycle():

@@ -1,6 +1,6 @@
 """Fused decode attention over the latent cache: `attn_implementation="egmla_fused"` (the backend chosen per
-device), `"egmla_fused_triton"` and `"egmla_fused_compiled"` (`dispatch` says how). This module only registers them
-with transformers' `AttentionInterface` and `AttentionMaskInterface` (SDPA's masks) and re-exports."""
+device), `"egmla_fused_triton"` and `"egmla_fused_compiled"` (`dispatch` says how). Importing this module registers
+them with transformers' `AttentionInterface` and `AttentionMaskInterface` (SDPA's masks); it also re-exports."""
 
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -12,10 +12,13 @@ ATTENTION_NAME = "egmla_fused"
 
 
 def register() -> None:
-    """Makes the `egmla_fused*` attention implementations available (done by `import egmla`)."""
+    """Makes the `egmla_fused*` attention implementations available (done when this module is imported)."""
     for name, requested in IMPLEMENTATIONS.items():
         AttentionInterface.register(name, attention_function(requested))
         AttentionMaskInterface.register(name, sdpa_mask)
+
+
+register()
 
 
 __all__ = [
