@@ -4,7 +4,8 @@ report) and its peak resident memory (from the OS, `wait4`), one row per shape.
 
     python benchmarks/conversion_scale.py --shapes smollm2-135m llama-3.2-1b --layers 2 \
         --text ../shared/assets/text/tinystories_train_2MiB.txt
-    python benchmarks/conversion_scale.py --shapes llama-3.1-8b --closed-form --calibration-blocks 8 ...
+    python benchmarks/conversion_scale.py --shapes llama-3.1-8b --dtype bfloat16 --text TEXT \
+        -- --stream --calibration-blocks 8 --reconstruction-steps 0
 
 `--layers N` keeps the first N layers of each shape (the per-layer cost times the depth extrapolates the whole);
 `--closed-form` skips the split search, the layer-wise fit and the recovery (a shared rope key of head_dim / 4
@@ -150,13 +151,7 @@ def row(name: str, gigabytes: float, result: dict, budget: dict) -> dict:
 
 
 def print_rows(rows: list[dict], args: argparse.Namespace) -> None:
-    kind = (
-        "streamed (closed form)"
-        if "--stream" in args.convert_flags
-        else "closed form"
-        if args.closed_form
-        else "defaults"
-    )
+    kind = "streamed" if "--stream" in args.convert_flags else "closed form" if args.closed_form else "defaults"
     extra = f", {' '.join(args.convert_flags)}" if args.convert_flags else ""
     print(f"\n{kind}, {args.layers or 'all'} layers, {args.dtype}{extra} (wall s, peak RSS GB from the OS)")
     print("| shape | checkpoint GB | wall s | peak RSS GB | RSS / checkpoint | seconds by stage |")

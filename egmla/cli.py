@@ -297,8 +297,8 @@ def add_convert(commands) -> None:
     convert.add_argument(
         "--stream",
         action="store_true",
-        help="read, calibrate, convert and write one layer at a time (peak memory about one layer, not two models): "
-        "closed form only (no split search, gate fit, layer-wise fit, recovery or scoring); needs --train-text",
+        help="read, calibrate, convert, fit (the layer-wise fit) and write one layer at a time (peak memory about one "
+        "layer, not two models); no split search, gate, recovery or scoring; needs --train-text",
     )
     add_conversion_options(convert)
     add_reconstruction_options(convert)

@@ -2,6 +2,7 @@
 whole-model conversion of the same options and calibration blocks, reads no more than one layer of the source at
 once, and writes a folder that loads like any other."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -11,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from egmla.cli import main
 from egmla.conversion import ConversionOptions, convert_llama_to_egmla, load_llama
-from egmla.conversion.pipeline import read_calibration_text
+from egmla.conversion.pipeline import TextSettings, layer_wise_inputs, read_calibration_text, recovery_length
+from egmla.conversion.reconstruction import ReconstructionSettings, reconstruct_layers
 from egmla.conversion.source import load_tokenizer
 from egmla.conversion.streaming import SourceFiles
 from egmla.data import EXCERPT
@@ -19,6 +21,7 @@ from egmla.text import split_documents, token_blocks
 from tests.utils import tiny_source, with_tokenizer
 
 FLAGS = ["--train-text", str(EXCERPT), "--calibration-blocks", "8", "--block-size", "64"]
+CLOSED_FORM = ["--reconstruction-steps", "0"]
 SPLITS = {
     "shared": (["--rope-split", "shared", "--rope-pairs", "4"], {"rope_split": "shared", "rope_pairs": 4}),
     "exact": (["--rope-split", "exact"], {"rope_split": "exact"}),
@@ -48,8 +51,9 @@ def test_a_streamed_conversion_equals_the_whole_model_one(tmp_path, family, spli
         SourceFiles, "read", lambda self, *args, **kw: read.append(original(self, *args, **kw)) or read[-1]
     )
     flags, fields = SPLITS[split]
-    main(["convert", str(source), "--out", str(tmp_path / "out"), "--stream", "--kv-lora-rank", "12", *flags, *FLAGS])
-    streamed = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    out = tmp_path / "out"
+    main(["convert", str(source), "--out", str(out), "--stream", "--kv-lora-rank", "12", *flags, *FLAGS, *CLOSED_FORM])
+    streamed = AutoModelForCausalLM.from_pretrained(out)
     whole = convert_llama_to_egmla(
         load_llama(source), ConversionOptions(kv_lora_rank=12, **fields), calibration_blocks(source)
     )
@@ -76,7 +80,7 @@ def test_a_streamed_conversion_equals_the_whole_model_one(tmp_path, family, spli
 
 def test_streaming_picks_the_searchs_usual_split_and_refuses_what_needs_the_whole_model(tmp_path):
     source = sharded_source(tmp_path / "src", "llama")
-    main(["convert", str(source), "--out", str(tmp_path / "out"), "--stream", "--kv-cut", "0.5", *FLAGS])
+    main(["convert", str(source), "--out", str(tmp_path / "out"), "--stream", "--kv-cut", "0.5", *FLAGS, *CLOSED_FORM])
     report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
     # 2 KV heads x 16 dims x 2 = 64 values, a 50% cut keeps 32: a quarter (8 values, 4 pairs) for the shared rope key.
     assert report["options"]["rope_split"] == "shared" and report["options"]["rope_pairs"] == 4
@@ -98,4 +102,59 @@ def test_streaming_picks_the_searchs_usual_split_and_refuses_what_needs_the_whol
                 *FLAGS,
             ]
         )
-    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    with pytest.raises(SystemExit, match="without the gate"):
+        main(
+            [
+                "convert",
+                str(source),
+                "--out",
+                str(tmp_path / "d"),
+                "--stream",
+                "--kv-cut",
+                "0.5",
+                "--gate-dim",
+                "8",
+                *FLAGS,
+            ]
+        )
+    assert not any((tmp_path / name).exists() for name in "bcd")
+
+
+@pytest.mark.parametrize(("family", "split"), [("llama", "shared"), ("qwen2", "exact")])
+def test_the_streamed_layer_wise_fit_equals_the_whole_model_one(tmp_path, family, split):
+    """Each layer fitted as it streams by, on the source's and the student's streams kept on the host, as
+    `reconstruct_layers` fits the whole student."""
+    source = sharded_source(tmp_path / "src", family)
+    flags, fields = SPLITS[split]
+    steps = ["--reconstruction-steps", "20"]
+    main(
+        [
+            "convert",
+            str(source),
+            "--out",
+            str(tmp_path / "out"),
+            "--stream",
+            "--kv-lora-rank",
+            "12",
+            *flags,
+            *FLAGS,
+            *steps,
+        ]
+    )
+    streamed = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    teacher, blocks = load_llama(source), calibration_blocks(source)
+    whole = convert_llama_to_egmla(teacher, ConversionOptions(kv_lora_rank=12, **fields), blocks)
+    closed_form = copy.deepcopy(whole)
+    length = recovery_length(TextSettings(), teacher.config.max_position_embeddings)
+    rows = reconstruct_layers(whole, teacher, *layer_wise_inputs(blocks, length, ReconstructionSettings(steps=20)))
+    report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
+    streamed_rows = report["reconstruction"]["layers"]
+    assert [row["fitted"] for row in streamed_rows] == [row["fitted"] for row in rows] and any(
+        row["fitted"] for row in rows
+    )
+    for streamed_row, row in zip(streamed_rows, rows, strict=True):
+        assert streamed_row["after"] == pytest.approx(row["after"], rel=1e-4)
+    input_ids = torch.randint(3, 500, (2, 50), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(input_ids).logits, whole(input_ids).logits, rtol=0, atol=1e-4)
+        assert (streamed(input_ids).logits - closed_form(input_ids).logits).abs().max() > 1e-3  # the fit moved it

@@ -148,13 +148,20 @@ class SourceLayer(NamedTuple):
 
 
 @torch.no_grad()  # on a generator, torch switches grad off around each step only: the caller's mode is its own
+def source_layer_pass(layer: torch.nn.Module, hidden: torch.Tensor, rotary) -> tuple[SourceLayer, torch.Tensor]:
+    """One source decoder layer on the residual stream `hidden` [N, S, D]: what its attention reads and adds, and
+    the stream after the whole layer."""
+    normed = layer.input_layernorm(hidden)
+    attention = layer.self_attn(normed, rotary, None)[0]
+    after = hidden + attention
+    return SourceLayer(hidden, normed, attention), after + layer.mlp(layer.post_attention_layernorm(after))
+
+
+@torch.no_grad()  # the source is never trained: its streams are targets, whatever its parameters' requires_grad
 def source_layers(model: LlamaForCausalLM, blocks: torch.Tensor):
     """Yields the source's `SourceLayer` of every layer, first to last, on token blocks [N, S]."""
     hidden = model.model.embed_tokens(blocks)
     rotary = model.model.rotary_emb(hidden, torch.arange(blocks.shape[1])[None])
     for layer in model.model.layers:
-        normed = layer.input_layernorm(hidden)
-        attention = layer.self_attn(normed, rotary, None)[0]
-        yield SourceLayer(hidden, normed, attention)
-        hidden = hidden + attention
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        source, hidden = source_layer_pass(layer, hidden, rotary)
+        yield source

@@ -151,6 +151,12 @@ def split_train_text(settings: TextSettings) -> tuple[list[str], list[str] | Non
     return split_documents(documents, 0.1)
 
 
+def recovery_length(settings: TextSettings, context: int) -> int:
+    """Tokens per recovery block (and per block of the layer-wise fit): as asked, else the source's context up to
+    `MAX_RECOVERY_BLOCK`."""
+    return settings.recovery_block_size or min(context, MAX_RECOVERY_BLOCK)
+
+
 def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
     context = teacher.config.max_position_embeddings
     if settings.train_text is not None:
@@ -181,11 +187,11 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
         eval_source = public_name(eval_path)
     held_out = token_blocks(tokenizer, held_out_documents, settings.block_size)[: settings.eval_blocks]
     documents = document_ids(tokenizer, held_out_documents[: settings.eval_documents], context)
-    recovery_length = settings.recovery_block_size or min(context, MAX_RECOVERY_BLOCK)
+    length = recovery_length(settings, context)
     aside = min(-(-SELECTION_TOKENS // fit.shape[1]), len(fit) // 8)
     fit, selection = fit[: len(fit) - aside], fit[len(fit) - aside :]
-    recovery = packed_blocks(fit, recovery_length)
-    selection = packed_blocks(selection, recovery_length) if aside * fit.shape[1] >= recovery_length else selection
+    recovery = packed_blocks(fit, length)
+    selection = packed_blocks(selection, length) if aside * fit.shape[1] >= length else selection
     description = {
         "fit_text": fit_source,
         "recovery_block_size": recovery.shape[1],
@@ -210,11 +216,10 @@ def recovery_settings(settings: FinetuneSettings, text: TextData) -> FinetuneSet
 
 
 def layer_wise_inputs(
-    calibration: torch.Tensor, text: TextData, settings: ReconstructionSettings
+    calibration: torch.Tensor, length: int, settings: ReconstructionSettings
 ) -> tuple[torch.Tensor, ReconstructionSettings]:
-    """The layer-wise fit sees the calibration blocks packed to the recovery length (the distances the model must
+    """The layer-wise fit sees the calibration blocks packed to the recovery `length` (the distances the model must
     serve), at the same tokens per step."""
-    length = text.recovery.shape[1]
     blocks = packed_blocks(calibration, length) if calibration.numel() >= length else calibration
     packing = blocks.shape[1] // calibration.shape[1]
     return blocks, dataclasses.replace(settings, batch_size=max(1, settings.batch_size // packing))
@@ -349,7 +354,9 @@ def fit_stages(
     stages = StageSelection(text.selection)
     stages.consider("zero-shot", student)
     with times.stage("layer-wise fit"):
-        layers = reconstruct_layers(student, teacher, *layer_wise_inputs(calibration, text, job.reconstruction))
+        layers = reconstruct_layers(
+            student, teacher, *layer_wise_inputs(calibration, text.recovery.shape[1], job.reconstruction)
+        )
     if layers:
         if job.score_stages:
             add_scores(scores, score_documents({"layer-wise": student}, text))

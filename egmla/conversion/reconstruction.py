@@ -69,28 +69,38 @@ class LayerStreams(NamedTuple):
     target: torch.Tensor  # the source's stream after its attention block
 
 
-def student_attention(model: EGMLAForCausalLM, layer_idx: int, hidden: torch.Tensor, token_ids, rotary):
-    """The student's residual stream after the attention block of layer `layer_idx`."""
-    layer, config = model.model.layers[layer_idx], model.config
+class StudentBlock(NamedTuple):
+    """What one layer's fit reads and moves: the student's decoder layer and, with the gate on, its gate table."""
+
+    layer: torch.nn.Module  # an EGMLADecoderLayer
+    table: torch.nn.Module | None  # the layer's gate table (None: the gate is off)
+    moves_table: bool  # a table shared by several layers moves with the first of them
+
+
+def student_block(model: EGMLAForCausalLM, layer_idx: int) -> StudentBlock:
+    config = model.config
+    table = model.model.gate_embeddings[layer_idx // config.gate_layers_per_table] if config.gate_enabled else None
+    return StudentBlock(model.model.layers[layer_idx], table, layer_idx % config.gate_layers_per_table == 0)
+
+
+def student_attention(block: StudentBlock, hidden: torch.Tensor, token_ids, rotary) -> torch.Tensor:
+    """The student's residual stream after the block's attention."""
     gate_rows = None
-    if config.gate_enabled:
-        table = model.model.gate_embeddings[layer_idx // config.gate_layers_per_table]
-        (gate_rows,) = look_up_gate_rows(torch.nn.ModuleList([table]), token_ids)
-    attention, _ = layer.self_attn(layer.input_layernorm(hidden), rotary, None, gate_rows=gate_rows)
+    if block.table is not None:
+        (gate_rows,) = look_up_gate_rows(torch.nn.ModuleList([block.table]), token_ids)
+    attention, _ = block.layer.self_attn(block.layer.input_layernorm(hidden), rotary, None, gate_rows=gate_rows)
     return hidden + attention
 
 
-def block_parameters(model: EGMLAForCausalLM, layer_idx: int, fit_gate: bool) -> list[torch.nn.Parameter]:
-    """What a layer's fit moves: its attention block, with its gate table and W^{UE} when the gate is fitted (a
-    table shared by several layers moves with the first of them)."""
-    attention = model.model.layers[layer_idx].self_attn
+def block_parameters(block: StudentBlock, fit_gate: bool) -> list[torch.nn.Parameter]:
+    """What a layer's fit moves: its attention block, with its gate table and W^{UE} when the gate is fitted."""
+    attention = block.layer.self_attn
     gate = {
         id(p) for module in (attention.gate_embedding_proj, attention.gate_norm) if module for p in module.parameters()
     }
     parameters = [p for p in attention.parameters() if fit_gate or id(p) not in gate]
-    per_table = model.config.gate_layers_per_table
-    if fit_gate and model.config.gate_enabled and layer_idx % per_table == 0:
-        parameters += list(model.model.gate_embeddings[layer_idx // per_table].parameters())
+    if fit_gate and block.table is not None and block.moves_table:
+        parameters += list(block.table.parameters())
     return parameters
 
 
@@ -100,14 +110,14 @@ def block_error(output: torch.Tensor, streams: LayerStreams, rows=slice(None)) -
     return (output - target).pow(2).sum() / (target - streams.teacher_in[rows]).pow(2).sum().clamp(min=1e-30)
 
 
-def fit_layer(model, layer_idx: int, streams: LayerStreams, blocks, rotary, settings: ReconstructionSettings) -> dict:
+def fit_layer(block: StudentBlock, streams: LayerStreams, blocks, rotary, settings: ReconstructionSettings) -> dict:
     """Adam with cosine decay on one block; its error on all calibration blocks before and after."""
-    parameters = block_parameters(model, layer_idx, settings.fit_gate)
+    layer_idx, parameters = block.layer.self_attn.layer_idx, block_parameters(block, settings.fit_gate)
     start = [parameter.detach().clone() for parameter in parameters]
 
     @torch.no_grad()
     def error_on_all_blocks() -> float:
-        return block_error(student_attention(model, layer_idx, streams.student_in, blocks, rotary), streams).item()
+        return block_error(student_attention(block, streams.student_in, blocks, rotary), streams).item()
 
     before = error_on_all_blocks()
     optimizer = torch.optim.Adam(parameters, lr=settings.learning_rate)
@@ -118,11 +128,12 @@ def fit_layer(model, layer_idx: int, streams: LayerStreams, blocks, rotary, sett
     for parameter in parameters:
         parameter.requires_grad_(True)
     # Only the steps: the errors that decide whether a fit is kept are computed in full precision.
-    autocast = fitting_autocast(settings.mixed_precision, streams.student_in.device, model.config.hidden_size)
+    hidden_size = block.layer.self_attn.config.hidden_size
+    autocast = fitting_autocast(settings.mixed_precision, streams.student_in.device, hidden_size)
     for _ in range(settings.steps):
         rows = torch.randint(0, len(blocks), (settings.batch_size,), generator=generator)
         with autocast:
-            output = student_attention(model, layer_idx, streams.student_in[rows], blocks[rows], rotary)
+            output = student_attention(block, streams.student_in[rows], blocks[rows], rotary)
         loss = block_error(output.float(), streams, rows)
         optimizer.zero_grad()
         loss.backward()
@@ -139,11 +150,10 @@ def fit_layer(model, layer_idx: int, streams: LayerStreams, blocks, rotary, sett
 
 
 @torch.no_grad()
-def next_student_stream(student, layer_idx: int, streams: LayerStreams, blocks, rotary) -> torch.Tensor:
-    """The student's residual stream after layer `layer_idx` (attention and MLP)."""
-    layer = student.model.layers[layer_idx]
-    after = student_attention(student, layer_idx, streams.student_in, blocks, rotary)
-    return after + layer.mlp(layer.post_attention_layernorm(after))
+def next_student_stream(block: StudentBlock, streams: LayerStreams, blocks, rotary) -> torch.Tensor:
+    """The student's residual stream after the block's layer (attention and MLP)."""
+    after = student_attention(block, streams.student_in, blocks, rotary)
+    return after + block.layer.mlp(block.layer.post_attention_layernorm(after))
 
 
 def reconstruct_layers(
@@ -166,8 +176,9 @@ def reconstruct_layers(
                       total=student.config.num_hidden_layers)  # fmt: skip
         for layer_idx, source in enumerate(layers):
             streams = LayerStreams(student_in, source.hidden, source.hidden + source.attention)
-            rows.append(fit_layer(student, layer_idx, streams, blocks, rotary, settings))
-            student_in = next_student_stream(student, layer_idx, streams, blocks, rotary)
+            block = student_block(student, layer_idx)
+            rows.append(fit_layer(block, streams, blocks, rotary, settings))
+            student_in = next_student_stream(block, streams, blocks, rotary)
     for parameter in student.parameters():
         parameter.requires_grad_(True)
     return rows

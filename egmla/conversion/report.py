@@ -165,8 +165,10 @@ def gate_words(report: dict) -> str:
 def measurement_words(report: dict) -> str:
     """How the card's measurements were made."""
     if report.get("streamed"):
+        fitted = report.get("reconstruction", {}).get("layers")
+        form = "with the layer-wise fit" if fitted else "in closed form"
         return (
-            "Converted in closed form one layer at a time (`egmla convert --stream`): the cache size is the budget's "
+            f"Converted {form} one layer at a time (`egmla convert --stream`): the cache size is the budget's "
             "and nothing was scored; `egmla finetune` recovers and scores it."
         )
     return (

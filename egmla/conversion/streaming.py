@@ -1,8 +1,9 @@
 """Streaming conversion (`egmla convert --stream`): the source is read one decoder layer at a time from its
 safetensors files (`safe_open`), calibrated on the hidden states the layer before it produced (kept on the host in
-the chosen dtype), factorized, and its student layer written as a shard of its own; peak memory is one source layer
-and one student layer, the embeddings and the calibration activations, not two whole models. Closed form only: the
-split search, the gate fit, the layer-wise fit, the recovery and the held-out scoring each need the whole model."""
+the chosen dtype), factorized, fitted by the layer-wise fit (as the whole-model conversion fits it, on the source's
+and the student's streams, also kept on the host), and its student layer written as a shard of its own; peak memory
+is one source layer and one student layer, the embeddings and the activations, not two whole models. The split
+search, the gate, the recovery and the held-out scoring each need the whole model: streaming does without them."""
 
 import dataclasses
 import json
@@ -19,11 +20,12 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
+from ..configuration_egmla import EGMLAConfig
 from ..hub import public_name, source_metadata
 from ..modeling_egmla import EGMLAForCausalLM
 from ..outputs import atomic_folder, check_output_folder
 from ..text import token_blocks
-from .calibration import StatisticsRecorder
+from .calibration import StatisticsRecorder, source_layer_pass
 from .convert import (
     Budget,
     ConversionOptions,
@@ -34,7 +36,8 @@ from .convert import (
     resolve_budget,
     student_config,
 )
-from .pipeline import split_train_text
+from .pipeline import layer_wise_inputs, recovery_length, split_train_text
+from .reconstruction import LayerStreams, ReconstructionSettings, StudentBlock, fit_layer, next_student_stream
 from .report import write_model_card
 from .rope import RopeSplit
 from .search import ROPE_SHARES, shared_key_pairs
@@ -82,6 +85,8 @@ def streamed_options(options: ConversionOptions, config) -> ConversionOptions:
     cut's values (its usual choice); per-layer ranks by energy need every layer's spectrum at once."""
     if options.rank_allocation != "uniform":
         raise ValueError("--stream allocates ranks uniformly: rank_allocation='energy' needs every layer at once.")
+    if options.gate_embedding_dim > 0:
+        raise ValueError("--stream converts without the gate (gate_embedding_dim=0): its tables span layers.")
     if options.rope_split != "auto":
         return options
     values = options.kv_lora_rank if options.kv_cut is None else cut_values(config, options.kv_cut)
@@ -149,36 +154,92 @@ def write_shard(staging: Path, name: str, state: dict, dtype: torch.dtype, weigh
     return sum(value.numel() * dtype.itemsize for value in state.values())
 
 
-def calibration_hidden(files: SourceFiles, job, tokenizer) -> torch.Tensor:
-    """The embeddings [N, S, D], on the host, of the calibration blocks cut from the fitting text (its held-out
-    documents left out, as in the whole-model conversion)."""
+def calibration_blocks(job, tokenizer) -> torch.Tensor:
+    """The calibration token blocks [N, S] cut from the fitting text (its held-out documents left out, as in the
+    whole-model conversion)."""
     if job.text.train_text is None:
         raise ValueError("--stream calibrates on text: give --train-text FILE (sampling text needs the whole model).")
     documents, _ = split_train_text(job.text)
-    blocks = token_blocks(tokenizer, documents, job.text.block_size)[: job.text.calibration_blocks]
-    embeddings = files.read("model.embed_tokens.")["weight"]
-    return torch.nn.functional.embedding(blocks, embeddings).to(job.placement.torch_dtype)
+    return token_blocks(tokenizer, documents, job.text.block_size)[: job.text.calibration_blocks]
 
 
-def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path, tokenizer) -> tuple[list, dict, int]:
-    """Every layer read, calibrated, factorized and written: (each layer's rope frequencies, the weight map, bytes)."""
+@dataclasses.dataclass
+class FittingStreams:
+    """The layer-wise fit's data, on the host: the calibration blocks packed to the recovery length [M, L] and the
+    source's and the student's residual streams entering the next layer [M, L, D]."""
+
+    blocks: torch.Tensor
+    source: torch.Tensor
+    student: torch.Tensor
+    settings: ReconstructionSettings  # its batch size counts packed blocks
+
+
+def fitting_streams(blocks: torch.Tensor, embeddings: torch.Tensor, job, context: int) -> FittingStreams | None:
+    """None when the layer-wise fit is off (`--reconstruction-steps 0`)."""
+    if job.reconstruction.steps == 0:
+        return None
+    packed, settings = layer_wise_inputs(blocks, recovery_length(job.text, context), job.reconstruction)
+    hidden = torch.nn.functional.embedding(packed, embeddings).to(job.placement.torch_dtype)
+    return FittingStreams(packed, hidden, hidden.clone(), settings)
+
+
+def layer_config(shell, options: ConversionOptions, budget: Budget, frequencies: list) -> EGMLAConfig:
+    """The student's config from each converted layer's rope frequencies; layers not converted yet take the last
+    one's (no layer is built from them before it is converted)."""
+    layers = frequencies + frequencies[-1:] * (shell.config.num_hidden_layers - len(frequencies))
+    splits = [RopeSplit(layer, *(torch.empty(0),) * 4) for layer in layers]  # student_config reads these only
+    return student_config(shell, ConversionPlan(options, budget, splits, [], [budget.kv_lora_rank] * len(splits)))
+
+
+def fit_streamed_layer(source, layer_idx: int, state: dict, config, fitting: FittingStreams, source_rotary):
+    """Student layer `layer_idx`, built from its closed-form `state`, fitted to the `source` layer as the whole-model
+    conversion fits it; both streams advance past the layer. Returns its fitted state and its report row."""
+    device, dtype = source.input_layernorm.weight.device, source.input_layernorm.weight.dtype
+    prefix = f"model.layers.{layer_idx}."
+    with torch.device("meta"):
+        shell = EGMLAForCausalLM(config)  # its layers get the attention implementation a loaded model has
+    student = shell.model.layers[layer_idx]
+    student.load_state_dict({name.removeprefix(prefix): tensor for name, tensor in state.items()}, assign=True)
+    student = student.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    blocks, source_in, student_in = (tensor.to(device) for tensor in (fitting.blocks, fitting.source, fitting.student))
+    positions = torch.arange(blocks.shape[1], device=device)[None]
+    rotary = type(shell.model.rotary_emb)(config=config).to(device)(student_in, positions)
+    with torch.no_grad():
+        layer, source_out = source_layer_pass(source, source_in, source_rotary(source_in, positions))
+    streams = LayerStreams(student_in, layer.hidden, layer.hidden + layer.attention)
+    block = StudentBlock(student, None, False)
+    row = fit_layer(block, streams, blocks, rotary, fitting.settings)
+    fitting.student = next_student_stream(block, streams, blocks, rotary).cpu()
+    fitting.source = source_out.cpu()
+    return {prefix + name: tensor for name, tensor in student.state_dict().items()}, row
+
+
+def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path, tokenizer) -> tuple:
+    """Every layer read, calibrated, factorized, fitted and written: (each layer's rope frequencies, the weight map,
+    the bytes written, the layer-wise fit's rows)."""
     options, placement = job.options, job.placement
-    hidden = calibration_hidden(files, job, tokenizer)
+    blocks, embeddings = calibration_blocks(job, tokenizer), files.read("model.embed_tokens.")["weight"]
+    hidden = torch.nn.functional.embedding(blocks, embeddings).to(placement.torch_dtype)
+    fitting = fitting_streams(blocks, embeddings, job, shell.config.max_position_embeddings)
     inv_freq = shell.model.rotary_emb.inv_freq.float().cpu()
     plan = ConversionPlan(options, budget, [], [], [])  # the shape; the splits and factors come layer by layer
-    frequencies, weight_map, total = [], {}, 0
+    frequencies, weight_map, total, rows = [], {}, 0, []
     for layer_idx in tqdm(range(shell.config.num_hidden_layers), desc="streaming layers", unit="layer", leave=False):
         layer = source_layer(shell, files, layer_idx, placement)
-        statistics, hidden = run_layer(layer, hidden, shell.model.rotary_emb.to(layer.input_layernorm.weight.device))
+        rotary = shell.model.rotary_emb.to(layer.input_layernorm.weight.device)
+        statistics, hidden = run_layer(layer, hidden, rotary)
         split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, budget, options)
-        converted = (split, factorization.truncate(budget.kv_lora_rank))
-        state = student_layer_state(shell, layer, layer_idx, converted, plan)
+        state = student_layer_state(shell, layer, layer_idx, (split, factorization.truncate(budget.kv_lora_rank)), plan)
+        frequencies.append(split.frequencies)
+        if fitting is not None:
+            config = layer_config(shell, options, budget, frequencies)
+            state, row = fit_streamed_layer(layer, layer_idx, state, config, fitting, rotary)
+            rows.append(row)
         total += write_shard(
             staging, f"model-layer-{layer_idx:05d}.safetensors", state, placement.torch_dtype, weight_map
         )
-        frequencies.append(split.frequencies)
-        del layer, state, converted, split, factorization  # one layer at a time
-    return frequencies, weight_map, total
+        del layer, state, split, factorization  # one layer at a time
+    return frequencies, weight_map, total, rows
 
 
 def run_streaming_conversion(job) -> dict:
@@ -197,24 +258,22 @@ def run_streaming_conversion(job) -> dict:
     tokenizer, times = load_tokenizer(str(folder)), StageTimes()
     with atomic_folder(job.out, job.overwrite, (str(folder),)) as staging:
         with times.stage("layers"):
-            frequencies, weight_map, total = layer_by_layer(shell, files, job, budget, staging, tokenizer)
+            frequencies, weight_map, total, rows = layer_by_layer(shell, files, job, budget, staging, tokenizer)
         with times.stage("embeddings and head"):
             outer = files.read("", outside_layers=True)
             total += write_shard(staging, "model-outer.safetensors", outer, job.placement.torch_dtype, weight_map)
-        splits = [RopeSplit(layer, *(torch.empty(0),) * 4) for layer in frequencies]  # student_config reads these only
-        config_out = student_config(
-            shell, ConversionPlan(options, budget, splits, [], [budget.kv_lora_rank] * len(splits))
-        )
-        save_config(config_out, staging, weight_map, total, job.placement.dtype)
+        save_config(layer_config(shell, options, budget, frequencies), staging, weight_map, total, job.placement.dtype)
         tokenizer.save_pretrained(staging)
         report = {"source": public_name(job.source), "options": dataclasses.asdict(options),
                   "budget": dataclasses.asdict(budget), "streamed": True, "seconds": round(time.time() - started, 1),
+                  "reconstruction": {**dataclasses.asdict(job.reconstruction), "layers": rows},
                   "stage_seconds": times.seconds, "placement": {"device": str(job.placement.torch_device()),
                   "dtype": job.placement.dtype}}  # fmt: skip
         metadata = source_metadata(job.source, job.base_model, job.license)
         report["card"] = {**dataclasses.asdict(metadata), "model_name": Path(job.out).name}
         write_model_card(staging, report)
-    print(f"streamed {config.num_hidden_layers} layers into {job.out} ({report['seconds']} s, closed form)")
+    form = f"{len(rows)} layers fitted" if rows else "closed form"
+    print(f"streamed {config.num_hidden_layers} layers into {job.out} ({report['seconds']} s, {form})")
     return report
 
 
