@@ -7,6 +7,7 @@ Importing the package registers `EGMLAConfig` with `AutoConfig` and `EGMLAModel`
 kernels, `egmla.kernels`). Saved models carry the two model files and `auto_map` for Hub remote code.
 """
 
+import functools
 import importlib
 from types import ModuleType
 
@@ -28,6 +29,7 @@ MODELING_NAMES = (
 AUTO_CLASSES = {AutoModel: "EGMLAModel", AutoModelForCausalLM: "EGMLAForCausalLM"}
 
 
+@functools.cache  # once: afterwards the Auto mappings hold the real classes
 def load_modeling() -> ModuleType:
     """The model file, its kernels registered and its classes put in the Auto mappings in place of the stand-ins."""
     from . import kernels, modeling_egmla  # noqa: F401  (importing egmla.kernels registers the egmla_fused names)

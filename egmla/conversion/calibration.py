@@ -147,7 +147,7 @@ class SourceLayer(NamedTuple):
     attention: torch.Tensor  # the attention block's output on it
 
 
-@torch.no_grad()  # on a generator, torch switches grad off around each step only: the caller's mode is its own
+@torch.no_grad()  # the source is never trained: its streams are targets, whatever its parameters' requires_grad
 def source_layer_pass(layer: torch.nn.Module, hidden: torch.Tensor, rotary) -> tuple[SourceLayer, torch.Tensor]:
     """One source decoder layer on the residual stream `hidden` [N, S, D]: what its attention reads and adds, and
     the stream after the whole layer."""
@@ -157,7 +157,7 @@ def source_layer_pass(layer: torch.nn.Module, hidden: torch.Tensor, rotary) -> t
     return SourceLayer(hidden, normed, attention), after + layer.mlp(layer.post_attention_layernorm(after))
 
 
-@torch.no_grad()  # the source is never trained: its streams are targets, whatever its parameters' requires_grad
+@torch.no_grad()  # on a generator, torch switches grad off around each step only: the caller's mode is its own
 def source_layers(model: LlamaForCausalLM, blocks: torch.Tensor):
     """Yields the source's `SourceLayer` of every layer, first to last, on token blocks [N, S]."""
     hidden = model.model.embed_tokens(blocks)

@@ -204,8 +204,7 @@ def fit_streamed_layer(source, layer_idx: int, state: dict, config, fitting: Fit
     blocks, source_in, student_in = (tensor.to(device) for tensor in (fitting.blocks, fitting.source, fitting.student))
     positions = torch.arange(blocks.shape[1], device=device)[None]
     rotary = type(shell.model.rotary_emb)(config=config).to(device)(student_in, positions)
-    with torch.no_grad():
-        layer, source_out = source_layer_pass(source, source_in, source_rotary(source_in, positions))
+    layer, source_out = source_layer_pass(source, source_in, source_rotary(source_in, positions))
     streams = LayerStreams(student_in, layer.hidden, layer.hidden + layer.attention)
     block = StudentBlock(student, None, False)
     row = fit_layer(block, streams, blocks, rotary, fitting.settings)
