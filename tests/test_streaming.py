@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from egmla.cli import main
 from egmla.conversion import ConversionOptions, convert_llama_to_egmla, load_llama
+from egmla.conversion.convert import build_student
 from egmla.conversion.pipeline import TextSettings, layer_wise_inputs, read_calibration_text, recovery_length
+from egmla.conversion.plan import plan_conversion
 from egmla.conversion.reconstruction import ReconstructionSettings, reconstruct_layers
 from egmla.conversion.source import load_tokenizer
 from egmla.conversion.streaming import SourceFiles
@@ -25,6 +27,7 @@ CLOSED_FORM = ["--reconstruction-steps", "0"]
 SPLITS = {
     "shared": (["--rope-split", "shared", "--rope-pairs", "4"], {"rope_split": "shared", "rope_pairs": 4}),
     "exact": (["--rope-split", "exact"], {"rope_split": "exact"}),
+    "auto": ([], {}),  # the split search's choice, streamed in a pass of its own
     # More pairs than one head's 8 frequencies (as a 1B Llama's quarter, 40 pairs of 32): drawn across KV heads.
     "shared-wide": (["--rope-split", "shared", "--rope-pairs", "12"], {"rope_split": "shared", "rope_pairs": 12}),
 }
@@ -60,15 +63,18 @@ def test_a_streamed_conversion_equals_the_whole_model_one(tmp_path, family, spli
     input_ids = torch.randint(3, 500, (2, 50), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(streamed(input_ids).logits, whole(input_ids).logits, rtol=0, atol=1e-5)
-    # Read one group at a time: the embeddings, each decoder layer alone, then the tensors outside the layers.
-    embeddings, *layers, outer = read
-    assert list(embeddings) == ["weight"] and len(layers) == 2
-    assert all(
-        name.split(".")[0] in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
-        for layer in layers
-        for name in layer
-    )
-    assert not any(name.startswith("model.layers.") for name in outer)
+    # Read one group at a time, in each pass (the search's, where it runs, then the conversion's): the embeddings,
+    # each decoder layer alone, then the tensors outside the layers.
+    passes = 2 if split == "auto" else 1
+    assert len(read) == 4 * passes
+    for embeddings, *layers, outer in (read[start : start + 4] for start in range(0, len(read), 4)):
+        assert list(embeddings) == ["weight"] and len(layers) == 2
+        assert all(
+            name.split(".")[0] in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+            for layer in layers
+            for name in layer
+        )
+        assert not any(name.startswith("model.layers.") for name in outer)
     report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
     assert report["streamed"] and json.loads((tmp_path / "out" / "config.json").read_text())["auto_map"]
     card = (tmp_path / "out" / "README.md").read_text()  # a Hub model card, its cache size the budget's
@@ -78,13 +84,31 @@ def test_a_streamed_conversion_equals_the_whole_model_one(tmp_path, family, spli
     assert f"KV values / token / layer (the budget's) | {sizes}" in card and "egmla convert --stream" in card
 
 
-def test_streaming_picks_the_searchs_usual_split_and_refuses_what_needs_the_whole_model(tmp_path):
-    source = sharded_source(tmp_path / "src", "llama")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_streamed_split_search_scores_and_chooses_as_the_whole_model_one(tmp_path, family):
+    """With the split left to the search, a first pass streams the layers for it: every candidate's held-out
+    perplexity and the choice are the whole-model search's, and the conversion that follows equals the whole-model
+    one (the statistics the search saved, read back)."""
+    source = sharded_source(tmp_path / "src", family)
     main(["convert", str(source), "--out", str(tmp_path / "out"), "--stream", "--kv-cut", "0.5", *FLAGS, *CLOSED_FORM])
     report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
-    # 2 KV heads x 16 dims x 2 = 64 values, a 50% cut keeps 32: a quarter (8 values, 4 pairs) for the shared rope key.
-    assert report["options"]["rope_split"] == "shared" and report["options"]["rope_pairs"] == 4
-    assert report["budget"]["kv_lora_rank"] == 24
+    teacher, options = load_llama(source), ConversionOptions(kv_cut=0.5)
+    plan, _ = plan_conversion(teacher, options, calibration_blocks(source))
+    assert len(report["candidates"]) == len(plan.candidates) == 4  # the source and three rope key widths
+    for streamed, whole in zip(report["candidates"], plan.candidates, strict=True):
+        assert streamed["candidate"] == whole["candidate"] and streamed.get("chosen") == whole.get("chosen")
+        assert streamed["perplexity"] == pytest.approx(whole["perplexity"], rel=1e-5)
+        assert streamed["cost"] == whole["cost"]
+    assert report["options"]["rope_pairs"] == plan.options.rope_pairs and "split search" in report["stage_seconds"]
+    input_ids = torch.randint(3, 500, (2, 50), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        streamed_logits = AutoModelForCausalLM.from_pretrained(tmp_path / "out")(input_ids).logits
+        torch.testing.assert_close(streamed_logits, build_student(teacher, plan)(input_ids).logits, rtol=0, atol=1e-5)
+    assert [path.name for path in (tmp_path / "out").glob(".statistics-*")] == []  # the saved statistics are gone
+
+
+def test_streaming_refuses_what_needs_the_whole_model(tmp_path):
+    source = sharded_source(tmp_path / "src", "llama")
     with pytest.raises(SystemExit, match="--stream calibrates on text: give --train-text FILE"):
         main(["convert", str(source), "--out", str(tmp_path / "b"), "--stream", "--kv-cut", "0.5"])  # no text
     with pytest.raises(SystemExit, match="rank_allocation='energy' needs every layer at once"):
@@ -120,7 +144,7 @@ def test_streaming_picks_the_searchs_usual_split_and_refuses_what_needs_the_whol
     assert not any((tmp_path / name).exists() for name in "bcd")
 
 
-@pytest.mark.parametrize(("family", "split"), [("llama", "shared"), ("qwen2", "exact")])
+@pytest.mark.parametrize(("family", "split"), [("llama", "shared"), ("qwen2", "exact"), ("llama", "auto")])
 def test_the_streamed_layer_wise_fit_equals_the_whole_model_one(tmp_path, family, split):
     """Each layer fitted as it streams by, on the source's and the student's streams kept on the host, as
     `reconstruct_layers` fits the whole student."""

@@ -62,12 +62,37 @@ def decode_path(options: ConversionOptions) -> str:
     return "absorbed MQA over [latent ; rope key] (vLLM's MLA layer serves it)"
 
 
-def candidate_cost(student, choice: ConversionOptions, teacher: LlamaForCausalLM) -> dict:
+def candidate_cost(student_config, choice: ConversionOptions, source_config) -> dict:
     """The decode cost of `choice` (converted gate-free for the search) with the gate it will really have."""
-    config = copy.deepcopy(student.config)
+    config = copy.deepcopy(student_config)
     config.gate_embedding_dim, config.gate_position = choice.gate_embedding_dim, choice.gate_position
-    config.num_key_value_heads = student_key_heads(teacher.config, choice)
-    return cost_row(egmla_cost(config), source_cost(teacher.config))
+    config.num_key_value_heads = student_key_heads(source_config, choice)
+    return cost_row(egmla_cost(config), source_cost(source_config))
+
+
+def held_out_split(blocks: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the blocks the candidates are calibrated on, the last few, packed as long as `context` allows up to 512)."""
+    if len(blocks) < 2:
+        raise ValueError("rope_split='auto' needs at least 2 calibration blocks (one held out to compare on).")
+    held_out_count = max(1, min(HELD_OUT_BLOCKS, len(blocks) // 8))
+    fit, held_out = blocks[:-held_out_count], blocks[-held_out_count:]
+    # Scored on blocks as long as the source's context allows: partial RoPE loses most at long distances.
+    length = min(context, LONGEST_SCORED_BLOCK)
+    return fit, packed_blocks(held_out, length) if held_out.numel() >= length else held_out
+
+
+def candidate_row(choice: ConversionOptions, budget, perplexity_value: float, cost: dict) -> dict:
+    """A candidate's row of the report's table."""
+    return {
+        "candidate": describe(choice, budget.kv_lora_rank),
+        "rope_split": choice.rope_split,
+        "rope_pairs": None if choice.rope_mode == "exact" else budget.rope_pairs,
+        "kv_lora_rank": budget.kv_lora_rank,
+        "values_per_token_per_layer": budget.values_per_token_per_layer,
+        "perplexity": perplexity_value,
+        "decode": decode_path(choice),
+        "cost": cost,
+    }
 
 
 def choose_split(
@@ -78,31 +103,15 @@ def choose_split(
     choices = candidates(teacher, options)
     if len(choices) == 1:
         return choices[0], [], calibrate(teacher, blocks)
-    if len(blocks) < 2:
-        raise ValueError("rope_split='auto' needs at least 2 calibration blocks (one held out to compare on).")
-    held_out_count = max(1, min(HELD_OUT_BLOCKS, len(blocks) // 8))
-    fit, held_out = blocks[:-held_out_count], blocks[-held_out_count:]
-    # Scored on blocks as long as the source's context allows (up to 512): partial RoPE loses most at long distances.
-    length = min(teacher.config.max_position_embeddings, LONGEST_SCORED_BLOCK)
-    held_out = packed_blocks(held_out, length) if held_out.numel() >= length else held_out
+    fit, held_out = held_out_split(blocks, teacher.config.max_position_embeddings)
     statistics = calibrate(teacher, fit)
     source = source_cost(teacher.config)
     rows = [{"candidate": "source", "perplexity": perplexity(teacher, held_out), "cost": cost_row(source, source)}]
     for choice in choices:
         plan = plan_layers(teacher, dataclasses.replace(choice, gate_embedding_dim=0), statistics)
-        student, budget = build_student(teacher, plan), plan.budget
-        rows.append(
-            {
-                "candidate": describe(choice, budget.kv_lora_rank),
-                "rope_split": choice.rope_split,
-                "rope_pairs": None if choice.rope_mode == "exact" else budget.rope_pairs,
-                "kv_lora_rank": budget.kv_lora_rank,
-                "values_per_token_per_layer": budget.values_per_token_per_layer,
-                "perplexity": perplexity(student, held_out),
-                "decode": decode_path(choice),
-                "cost": candidate_cost(student, choice, teacher),
-            }
-        )
+        student = build_student(teacher, plan)
+        cost = candidate_cost(student.config, choice, teacher.config)
+        rows.append(candidate_row(choice, plan.budget, perplexity(student, held_out), cost))
     best = min(range(len(choices)), key=lambda index: rows[index + 1]["perplexity"])
     rows[best + 1]["chosen"] = True
     return choices[best], rows, statistics

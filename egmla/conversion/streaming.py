@@ -2,150 +2,54 @@
 safetensors files (`safe_open`), calibrated on the hidden states the layer before it produced (kept on the host in
 the chosen dtype), factorized, fitted by the layer-wise fit (as the whole-model conversion fits it, on the source's
 and the student's streams, also kept on the host), and its student layer written as a shard of its own; peak memory
-is one source layer and one student layer, the embeddings and the activations, not two whole models. The split
-search, the gate, the recovery and the held-out scoring each need the whole model: streaming does without them."""
+is one source layer and one student layer, the embeddings and the activations, not two whole models. With the split
+left to the search, a first pass streams the layers for it (`stream_search.py`) and the conversion reads the
+statistics it saved. The gate, the recovery and the held-out scoring need the whole model: streaming does without
+them."""
 
 import dataclasses
 import json
+import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AutoConfig, GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
-from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
-from ..configuration_egmla import EGMLAConfig
 from ..hub import public_name, source_metadata
 from ..modeling_egmla import EGMLAForCausalLM
 from ..outputs import atomic_folder, check_output_folder
 from ..text import token_blocks
-from .calibration import StatisticsRecorder, source_layer_pass
-from .convert import (
-    Budget,
-    ConversionOptions,
-    ConversionPlan,
-    cut_values,
-    factorize_layer,
-    layer_attention_state,
-    resolve_budget,
-    student_config,
+from .calibration import source_layer_pass
+from .convert import Budget, ConversionOptions, ConversionPlan, factorize_layer, resolve_budget
+from .layer_stream import (
+    SourceFiles,
+    layer_config,
+    run_layer,
+    source_layer,
+    source_shell,
+    student_layer,
+    student_layer_state,
 )
 from .pipeline import layer_wise_inputs, recovery_length, split_train_text
 from .reconstruction import LayerStreams, ReconstructionSettings, StudentBlock, fit_layer, next_student_stream
 from .report import write_model_card
-from .rope import RopeSplit
-from .search import ROPE_SHARES, shared_key_pairs
-from .source import SOURCE_CLASSES, check_family, check_supported, load_tokenizer
+from .source import check_family, check_supported, load_tokenizer
+from .stream_search import load_statistics, streamed_split_search
 from .timing import StageTimes
 
-SOURCE_LAYERS = {"llama": LlamaDecoderLayer, "mistral": MistralDecoderLayer, "qwen2": Qwen2DecoderLayer}
-# The share of the cut's values the rope key takes when the search cannot run: a quarter, the search's choice on
-# stories260K and SmolLM2-135M alike.
-STREAMED_ROPE_SHARE = 0.25
-assert STREAMED_ROPE_SHARE in ROPE_SHARES
 
-
-class SourceFiles:
-    """A checkpoint folder's safetensors files, read a tensor group at a time."""
-
-    def __init__(self, folder: Path):
-        index = folder / "model.safetensors.index.json"
-        if index.exists():
-            self.weight_map = json.loads(index.read_text())["weight_map"]
-        elif (folder / "model.safetensors").exists():
-            with safe_open(folder / "model.safetensors", "pt") as weights:
-                self.weight_map = dict.fromkeys(weights.keys(), "model.safetensors")
-        else:
-            raise ValueError(f"--stream reads safetensors: {folder} has no model.safetensors (or its index).")
-        self.folder = folder
-
-    def read(self, prefix: str, outside_layers: bool = False) -> dict[str, torch.Tensor]:
-        """Every tensor whose name starts with `prefix`, named without it (with `outside_layers`, none of the decoder
-        layers': the embeddings, the final norm, the head)."""
-        names = [name for name in self.weight_map if name.startswith(prefix)]
-        if outside_layers:
-            names = [name for name in names if not name.startswith("model.layers.")]
-        tensors = {}
-        for file in sorted({self.weight_map[name] for name in names}):
-            with safe_open(self.folder / file, "pt") as weights:
-                tensors.update(
-                    {name[len(prefix) :]: weights.get_tensor(name) for name in names if name in weights.keys()}
-                )
-        return tensors
-
-
-def streamed_options(options: ConversionOptions, config) -> ConversionOptions:
-    """The options as streaming can convert them: the search's "auto" becomes a shared rope key of a quarter of the
-    cut's values (its usual choice); per-layer ranks by energy need every layer's spectrum at once."""
+def check_streamable(options: ConversionOptions) -> None:
+    """Refuses by name what streaming cannot convert: per-layer ranks by energy need every layer's spectrum at once,
+    and the gate's tables span layers."""
     if options.rank_allocation != "uniform":
         raise ValueError("--stream allocates ranks uniformly: rank_allocation='energy' needs every layer at once.")
     if options.gate_embedding_dim > 0:
         raise ValueError("--stream converts without the gate (gate_embedding_dim=0): its tables span layers.")
-    if options.rope_split != "auto":
-        return options
-    values = options.kv_lora_rank if options.kv_cut is None else cut_values(config, options.kv_cut)
-    pairs = shared_key_pairs(values, STREAMED_ROPE_SHARE)
-    return dataclasses.replace(options, rope_split="shared", rope_pairs=pairs)
-
-
-def causal_mask(length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[1, 1, S, S] additive: what every attention implementation of a source layer reads alike."""
-    blocked = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
-    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)[
-        None, None
-    ]
-
-
-@torch.no_grad()
-def run_layer(layer: torch.nn.Module, hidden: torch.Tensor, rotary: torch.nn.Module, batch_size: int = 8):
-    """The layer's statistics and its outputs on `hidden` [N, S, D] (host), in batches on the layer's device."""
-    device, dtype = layer.input_layernorm.weight.device, layer.input_layernorm.weight.dtype
-    recorder = StatisticsRecorder(layer.self_attn)
-    handle = layer.self_attn.q_proj.register_forward_pre_hook(recorder)
-    positions = torch.arange(hidden.shape[1], device=device)[None]
-    mask, outputs = causal_mask(hidden.shape[1], dtype, device), torch.empty_like(hidden)
-    rotation = rotary(hidden[:1].to(device), positions)  # [1, S, hd]: the same positions in every batch
-    try:
-        for start in range(0, len(hidden), batch_size):
-            states = hidden[start : start + batch_size].to(device)
-            output = layer(states, attention_mask=mask, position_ids=positions, position_embeddings=rotation)
-            outputs[start : start + batch_size] = (output[0] if isinstance(output, tuple) else output).cpu()
-    finally:
-        handle.remove()
-    return recorder.statistics(), outputs
-
-
-def source_layer(shell: torch.nn.Module, files: SourceFiles, layer_idx: int, placement) -> torch.nn.Module:
-    """Decoder layer `layer_idx` of the source, read from its files onto the placement's device and dtype."""
-    config = shell.config
-    with torch.device("meta"):
-        layer = SOURCE_LAYERS[config.model_type](config, layer_idx)
-    layer.load_state_dict(files.read(f"model.layers.{layer_idx}."), assign=True, strict=True)
-    return layer.to(device=placement.torch_device(), dtype=placement.torch_dtype).eval()
-
-
-def source_shell(config) -> torch.nn.Module:
-    """The source model without weights (meta), its rotary embedding real: what the config-level functions read."""
-    with torch.device("meta"):
-        shell = SOURCE_CLASSES[config.model_type](config)
-    shell.model.rotary_emb = type(shell.model.rotary_emb)(config=config)
-    return shell
-
-
-def student_layer_state(shell, layer, layer_idx: int, converted: tuple, plan) -> dict[str, torch.Tensor]:
-    """The student's tensors of one layer: the converted attention and the source's MLP and norms as they are."""
-    state = layer_attention_state(layer_idx, layer.self_attn, plan, converted, shell.model.rotary_emb.attention_scaling)
-    prefix = f"model.layers.{layer_idx}."
-    for name, tensor in layer.state_dict().items():
-        if not name.startswith("self_attn."):
-            state[prefix + name] = tensor
-    return state
 
 
 def write_shard(staging: Path, name: str, state: dict, dtype: torch.dtype, weight_map: dict) -> int:
@@ -183,27 +87,15 @@ def fitting_streams(blocks: torch.Tensor, embeddings: torch.Tensor, job, context
     return FittingStreams(packed, hidden, hidden.clone(), settings)
 
 
-def layer_config(shell, options: ConversionOptions, budget: Budget, frequencies: list) -> EGMLAConfig:
-    """The student's config from each converted layer's rope frequencies; layers not converted yet take the last
-    one's (no layer is built from them before it is converted)."""
-    layers = frequencies + frequencies[-1:] * (shell.config.num_hidden_layers - len(frequencies))
-    splits = [RopeSplit(layer, *(torch.empty(0),) * 4) for layer in layers]  # student_config reads these only
-    return student_config(shell, ConversionPlan(options, budget, splits, [], [budget.kv_lora_rank] * len(splits)))
-
-
 def fit_streamed_layer(source, layer_idx: int, state: dict, config, fitting: FittingStreams, source_rotary):
     """Student layer `layer_idx`, built from its closed-form `state`, fitted to the `source` layer as the whole-model
     conversion fits it; both streams advance past the layer. Returns its fitted state and its report row."""
-    device, dtype = source.input_layernorm.weight.device, source.input_layernorm.weight.dtype
     prefix = f"model.layers.{layer_idx}."
-    with torch.device("meta"):
-        shell = EGMLAForCausalLM(config)  # its layers get the attention implementation a loaded model has
-    student = shell.model.layers[layer_idx]
-    student.load_state_dict({name.removeprefix(prefix): tensor for name, tensor in state.items()}, assign=True)
-    student = student.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    student, student_rotary = student_layer(state, layer_idx, config, source.input_layernorm.weight)
+    device = source.input_layernorm.weight.device
     blocks, source_in, student_in = (tensor.to(device) for tensor in (fitting.blocks, fitting.source, fitting.student))
     positions = torch.arange(blocks.shape[1], device=device)[None]
-    rotary = type(shell.model.rotary_emb)(config=config).to(device)(student_in, positions)
+    rotary = student_rotary(student_in, positions)
     layer, source_out = source_layer_pass(source, source_in, source_rotary(source_in, positions))
     streams = LayerStreams(student_in, layer.hidden, layer.hidden + layer.attention)
     block = StudentBlock(student, None, False)
@@ -213,12 +105,13 @@ def fit_streamed_layer(source, layer_idx: int, state: dict, config, fitting: Fit
     return {prefix + name: tensor for name, tensor in student.state_dict().items()}, row
 
 
-def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path, tokenizer) -> tuple:
-    """Every layer read, calibrated, factorized, fitted and written: (each layer's rope frequencies, the weight map,
-    the bytes written, the layer-wise fit's rows)."""
+def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path, blocks, statistics_folder) -> tuple:
+    """Every layer read, calibrated on `blocks` (or its statistics read from `statistics_folder`, where the split
+    search saved them), factorized, fitted and written: (each layer's rope frequencies, the weight map, the bytes
+    written, the layer-wise fit's rows)."""
     options, placement = job.options, job.placement
-    blocks, embeddings = calibration_blocks(job, tokenizer), files.read("model.embed_tokens.")["weight"]
-    hidden = torch.nn.functional.embedding(blocks, embeddings).to(placement.torch_dtype)
+    embeddings = files.read("model.embed_tokens.")["weight"]
+    hidden = None if statistics_folder else torch.nn.functional.embedding(blocks, embeddings).to(placement.torch_dtype)
     fitting = fitting_streams(blocks, embeddings, job, shell.config.max_position_embeddings)
     inv_freq = shell.model.rotary_emb.inv_freq.float().cpu()
     plan = ConversionPlan(options, budget, [], [], [])  # the shape; the splits and factors come layer by layer
@@ -226,7 +119,10 @@ def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path
     for layer_idx in tqdm(range(shell.config.num_hidden_layers), desc="streaming layers", unit="layer", leave=False):
         layer = source_layer(shell, files, layer_idx, placement)
         rotary = shell.model.rotary_emb.to(layer.input_layernorm.weight.device)
-        statistics, hidden = run_layer(layer, hidden, rotary)
+        if statistics_folder:
+            statistics = load_statistics(statistics_folder, layer_idx)
+        else:
+            statistics, hidden = run_layer(layer, hidden, rotary)
         split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, budget, options)
         state = student_layer_state(shell, layer, layer_idx, (split, factorization.truncate(budget.kv_lora_rank)), plan)
         frequencies.append(split.frequencies)
@@ -242,7 +138,8 @@ def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path
 
 
 def run_streaming_conversion(job) -> dict:
-    """Converts `job.source` (a local folder of safetensors) in closed form, layer by layer, into `job.out`."""
+    """Converts `job.source` (a local folder of safetensors) layer by layer into `job.out`: the split search's pass
+    where the split is left to it, then the conversion's (the closed form, and the layer-wise fit unless it is off)."""
     folder = Path(job.source)
     if not folder.is_dir():
         raise ValueError(f"--stream reads a local folder of safetensors files; {job.source} is not one.")
@@ -251,23 +148,41 @@ def run_streaming_conversion(job) -> dict:
     config = AutoConfig.from_pretrained(folder)
     check_family(config.model_type, job.source)
     check_supported(config)
-    options = streamed_options(job.options, config)
-    job = dataclasses.replace(job, options=options)
-    files, shell, budget = SourceFiles(folder), source_shell(config), resolve_budget(config, options)
-    tokenizer, times = load_tokenizer(str(folder)), StageTimes()
+    check_streamable(job.options)
+    files, shell, tokenizer, times = (
+        SourceFiles(folder),
+        source_shell(config),
+        load_tokenizer(str(folder)),
+        StageTimes(),
+    )
+    blocks = calibration_blocks(job, tokenizer)
     with atomic_folder(job.out, job.overwrite, (str(folder),)) as staging:
-        with times.stage("layers"):
-            frequencies, weight_map, total, rows = layer_by_layer(shell, files, job, budget, staging, tokenizer)
+        with tempfile.TemporaryDirectory(dir=staging, prefix=".statistics-") as saved:
+            searching = times.stage("split search") if job.options.rope_split == "auto" else nullcontext()
+            with searching:  # a pass of its own over the layers
+                options, candidates = streamed_split_search(shell, files, job, blocks, Path(saved))
+            job, budget = dataclasses.replace(job, options=options), resolve_budget(config, options)
+            with times.stage("layers"):
+                statistics = Path(saved) if candidates else None
+                frequencies, weight_map, total, rows = layer_by_layer(
+                    shell, files, job, budget, staging, blocks, statistics
+                )
         with times.stage("embeddings and head"):
             outer = files.read("", outside_layers=True)
             total += write_shard(staging, "model-outer.safetensors", outer, job.placement.torch_dtype, weight_map)
         save_config(layer_config(shell, options, budget, frequencies), staging, weight_map, total, job.placement.dtype)
         tokenizer.save_pretrained(staging)
-        report = {"source": public_name(job.source), "options": dataclasses.asdict(options),
-                  "budget": dataclasses.asdict(budget), "streamed": True, "seconds": round(time.time() - started, 1),
-                  "reconstruction": {**dataclasses.asdict(job.reconstruction), "layers": rows},
-                  "stage_seconds": times.seconds, "placement": {"device": str(job.placement.torch_device()),
-                  "dtype": job.placement.dtype}}  # fmt: skip
+        report = {
+            "source": public_name(job.source),
+            "options": dataclasses.asdict(options),
+            "budget": dataclasses.asdict(budget),
+            "candidates": candidates,
+            "streamed": True,
+            "seconds": round(time.time() - started, 1),
+            "reconstruction": {**dataclasses.asdict(job.reconstruction), "layers": rows},
+            "stage_seconds": times.seconds,
+            "placement": {"device": str(job.placement.torch_device()), "dtype": job.placement.dtype},
+        }
         metadata = source_metadata(job.source, job.base_model, job.license)
         report["card"] = {**dataclasses.asdict(metadata), "model_name": Path(job.out).name}
         write_model_card(staging, report)

@@ -1,0 +1,126 @@
+"""One decoder layer at a time, for the streamed conversion and its split search: a source layer read from the
+checkpoint's safetensors files (`safe_open`) and run over hidden states kept on the host, and a student layer built
+from its converted tensors."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+from ..configuration_egmla import EGMLAConfig
+from ..modeling_egmla import EGMLAForCausalLM
+from .calibration import StatisticsRecorder
+from .convert import Budget, ConversionOptions, ConversionPlan, layer_attention_state, student_config
+from .rope import RopeSplit
+from .source import SOURCE_CLASSES
+
+SOURCE_LAYERS = {"llama": LlamaDecoderLayer, "mistral": MistralDecoderLayer, "qwen2": Qwen2DecoderLayer}
+
+
+class SourceFiles:
+    """A checkpoint folder's safetensors files, read a tensor group at a time."""
+
+    def __init__(self, folder: Path):
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            self.weight_map = json.loads(index.read_text())["weight_map"]
+        elif (folder / "model.safetensors").exists():
+            with safe_open(folder / "model.safetensors", "pt") as weights:
+                self.weight_map = dict.fromkeys(weights.keys(), "model.safetensors")
+        else:
+            raise ValueError(f"--stream reads safetensors: {folder} has no model.safetensors (or its index).")
+        self.folder = folder
+
+    def read(self, prefix: str, outside_layers: bool = False) -> dict[str, torch.Tensor]:
+        """Every tensor whose name starts with `prefix`, named without it (with `outside_layers`, none of the decoder
+        layers': the embeddings, the final norm, the head)."""
+        names = [name for name in self.weight_map if name.startswith(prefix)]
+        if outside_layers:
+            names = [name for name in names if not name.startswith("model.layers.")]
+        tensors = {}
+        for file in sorted({self.weight_map[name] for name in names}):
+            with safe_open(self.folder / file, "pt") as weights:
+                tensors.update(
+                    {name[len(prefix) :]: weights.get_tensor(name) for name in names if name in weights.keys()}
+                )
+        return tensors
+
+
+def causal_mask(length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[1, 1, S, S] additive: what every attention implementation of a source layer reads alike."""
+    blocked = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
+    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)[
+        None, None
+    ]
+
+
+@torch.no_grad()
+def run_layer(layer: torch.nn.Module, hidden: torch.Tensor, rotary: torch.nn.Module, record: bool = True):
+    """The layer's statistics (None unless `record`) and its outputs on `hidden` [N, S, D] (host), in batches of 8
+    on the layer's device."""
+    device, dtype, batch_size = layer.input_layernorm.weight.device, layer.input_layernorm.weight.dtype, 8
+    recorder = StatisticsRecorder(layer.self_attn) if record else None
+    handle = layer.self_attn.q_proj.register_forward_pre_hook(recorder) if record else None
+    positions = torch.arange(hidden.shape[1], device=device)[None]
+    mask, outputs = causal_mask(hidden.shape[1], dtype, device), torch.empty_like(hidden)
+    rotation = rotary(hidden[:1].to(device), positions)  # [1, S, hd]: the same positions in every batch
+    try:
+        for start in range(0, len(hidden), batch_size):
+            states = hidden[start : start + batch_size].to(device)
+            output = layer(states, attention_mask=mask, position_ids=positions, position_embeddings=rotation)
+            outputs[start : start + batch_size] = (output[0] if isinstance(output, tuple) else output).cpu()
+    finally:
+        if handle is not None:
+            handle.remove()
+    return (recorder.statistics() if record else None), outputs
+
+
+def source_layer(shell: torch.nn.Module, files: SourceFiles, layer_idx: int, placement) -> torch.nn.Module:
+    """Decoder layer `layer_idx` of the source, read from its files onto the placement's device and dtype."""
+    config = shell.config
+    with torch.device("meta"):
+        layer = SOURCE_LAYERS[config.model_type](config, layer_idx)
+    layer.load_state_dict(files.read(f"model.layers.{layer_idx}."), assign=True, strict=True)
+    return layer.to(device=placement.torch_device(), dtype=placement.torch_dtype).eval()
+
+
+def source_shell(config) -> torch.nn.Module:
+    """The source model without weights (meta), its rotary embedding real: what the config-level functions read."""
+    with torch.device("meta"):
+        shell = SOURCE_CLASSES[config.model_type](config)
+    shell.model.rotary_emb = type(shell.model.rotary_emb)(config=config)
+    return shell
+
+
+def student_layer_state(shell, layer, layer_idx: int, converted: tuple, plan) -> dict[str, torch.Tensor]:
+    """The student's tensors of one layer: the converted attention and the source's MLP and norms as they are."""
+    state = layer_attention_state(layer_idx, layer.self_attn, plan, converted, shell.model.rotary_emb.attention_scaling)
+    prefix = f"model.layers.{layer_idx}."
+    for name, tensor in layer.state_dict().items():
+        if not name.startswith("self_attn."):
+            state[prefix + name] = tensor
+    return state
+
+
+def layer_config(shell, options: ConversionOptions, budget: Budget, frequencies: list) -> EGMLAConfig:
+    """The student's config from each converted layer's rope frequencies; layers not converted yet take the last
+    one's (no layer is built from them before it is converted)."""
+    layers = frequencies + frequencies[-1:] * (shell.config.num_hidden_layers - len(frequencies))
+    splits = [RopeSplit(layer, *(torch.empty(0),) * 4) for layer in layers]  # student_config reads these only
+    return student_config(shell, ConversionPlan(options, budget, splits, [], [budget.kv_lora_rank] * len(splits)))
+
+
+def student_layer(state: dict, layer_idx: int, config, like: torch.Tensor) -> tuple:
+    """Student decoder layer `layer_idx` built from its `state`, on `like`'s device and dtype, and the student's
+    rotary embedding there."""
+    prefix = f"model.layers.{layer_idx}."
+    with torch.device("meta"):
+        shell = EGMLAForCausalLM(config)  # its layers get the attention implementation a loaded model has
+    layer = shell.model.layers[layer_idx]
+    layer.load_state_dict({name.removeprefix(prefix): tensor for name, tensor in state.items()}, assign=True)
+    layer = layer.to(device=like.device, dtype=like.dtype).eval().requires_grad_(False)
+    return layer, type(shell.model.rotary_emb)(config=config).to(like.device)
