@@ -147,6 +147,49 @@ def position_buckets(context_length: int, first: int = 128) -> list[int]:
     return edges + [context_length]
 
 
+def document_batches(documents: list[torch.Tensor], batch_size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Whole documents as right-padded batches (ids [B, T], mask [B, T]), shortest first: little padding per batch."""
+    order = sorted(range(len(documents)), key=lambda index: len(documents[index]))
+    batches = []
+    for start in range(0, len(order), batch_size):
+        batch = [documents[index] for index in order[start : start + batch_size]]
+        ids = torch.nn.utils.rnn.pad_sequence(batch, batch_first=True, padding_value=0)
+        batches.append((ids, torch.nn.utils.rnn.pad_sequence([torch.ones_like(d) for d in batch], batch_first=True)))
+    return batches
+
+
+class DocumentLosses:
+    """The next-token losses of whole documents summed overall and per bucket of the predicted token's position
+    ([edges[i], edges[i+1])), a batch of logits at a time."""
+
+    def __init__(self, edges: list[int]):
+        self.edges = edges
+        self.nll = torch.zeros(len(edges) - 1, dtype=torch.float64)
+        self.count = torch.zeros(len(edges) - 1, dtype=torch.float64)
+
+    def add(self, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """logits [B, T-1, V] predicting ids[:, 1:] of a `document_batches` batch."""
+        # over rows of [B*T, V]: the [B, V, T] layout of a transposed view is several times slower on a CPU
+        losses = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1).to(logits.device), reduction="none"
+        )
+        losses = losses.view(ids.shape[0], -1).cpu()
+        valid = mask[:, 1:].bool().cpu()
+        positions = torch.arange(1, ids.shape[1]).expand_as(valid)  # the position of each predicted token
+        bucket = torch.bucketize(positions.contiguous(), torch.tensor(self.edges[1:-1]), right=True)
+        self.nll.index_add_(0, bucket[valid], losses[valid].double())
+        self.count.index_add_(0, bucket[valid], torch.ones(int(valid.sum()), dtype=torch.float64))
+
+    def result(self) -> dict:
+        edges, nll, count = self.edges, self.nll, self.count
+        rows = [
+            {"start": edges[i], "end": edges[i + 1], "tokens": int(count[i]), "perplexity": math.exp(nll[i] / count[i])}
+            for i in range(len(count))
+            if count[i] > 0
+        ]
+        return {"perplexity": math.exp(nll.sum() / count.sum()), "tokens": int(count.sum()), "buckets": rows}
+
+
 @torch.no_grad()
 def document_perplexity(
     model: torch.nn.Module, documents: list[torch.Tensor], edges: list[int], batch_size: int = 8, progress: bool = False
@@ -156,29 +199,10 @@ def document_perplexity(
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    nll = torch.zeros(len(edges) - 1, dtype=torch.float64)
-    count = torch.zeros(len(edges) - 1, dtype=torch.float64)
-    order = sorted(range(len(documents)), key=lambda index: len(documents[index]))  # little padding per batch
-    starts = range(0, len(order), batch_size)
-    for start in tqdm(starts, desc="scoring documents", unit="batch", leave=False, disable=not progress):
-        batch = [documents[index] for index in order[start : start + batch_size]]
-        ids = torch.nn.utils.rnn.pad_sequence(batch, batch_first=True, padding_value=0).to(device)
-        mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(d) for d in batch], batch_first=True).to(device)
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-        # over rows of [B*T, V]: the [B, V, T] layout of a transposed view is several times slower on a CPU
-        losses = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-        )
-        losses = losses.view(ids.shape[0], -1).cpu()
-        valid = mask[:, 1:].bool().cpu()
-        positions = torch.arange(1, ids.shape[1]).expand_as(valid)  # the position of each predicted token
-        bucket = torch.bucketize(positions.contiguous(), torch.tensor(edges[1:-1]), right=True)
-        nll.index_add_(0, bucket[valid], losses[valid].double())
-        count.index_add_(0, bucket[valid], torch.ones(int(valid.sum()), dtype=torch.float64))
+    losses = DocumentLosses(edges)
+    batches = document_batches(documents, batch_size)
+    for ids, mask in tqdm(batches, desc="scoring documents", unit="batch", leave=False, disable=not progress):
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+        losses.add(logits[:, :-1], ids, mask)
     model.train(was_training)
-    rows = [
-        {"start": edges[i], "end": edges[i + 1], "tokens": int(count[i]), "perplexity": math.exp(nll[i] / count[i])}
-        for i in range(len(count))
-        if count[i] > 0
-    ]
-    return {"perplexity": math.exp(nll.sum() / count.sum()), "tokens": int(count.sum()), "buckets": rows}
+    return losses.result()

@@ -19,7 +19,7 @@ from egmla.conversion.reconstruction import ReconstructionSettings, reconstruct_
 from egmla.conversion.source import load_tokenizer
 from egmla.conversion.streaming import SourceFiles
 from egmla.data import EXCERPT
-from egmla.text import split_documents, token_blocks
+from egmla.text import document_ids, document_perplexity, position_buckets, split_documents, token_blocks
 from tests.utils import tiny_source, with_tokenizer
 
 FLAGS = ["--train-text", str(EXCERPT), "--calibration-blocks", "8", "--block-size", "64"]
@@ -44,6 +44,13 @@ def calibration_blocks(source: Path) -> torch.Tensor:
     return token_blocks(load_tokenizer(str(source)), documents, 64)[:8]
 
 
+def held_out_ids(source: Path) -> list[torch.Tensor]:
+    """The documents the conversion scores: the held-out last 10% of the text's, whole up to the source's context."""
+    _, held_out = split_documents(read_calibration_text(EXCERPT, True), 0.1)
+    context = load_llama(source).config.max_position_embeddings
+    return document_ids(load_tokenizer(str(source)), held_out[:100], context)
+
+
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_streamed_conversion_equals_the_whole_model_one(tmp_path, family, split, monkeypatch):
@@ -63,6 +70,19 @@ def test_a_streamed_conversion_equals_the_whole_model_one(tmp_path, family, spli
     input_ids = torch.randint(3, 500, (2, 50), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(streamed(input_ids).logits, whole(input_ids).logits, rtol=0, atol=1e-5)
+    # The held-out documents scored as the layers streamed by: the whole-model scores of the source and the output.
+    report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
+    documents = held_out_ids(source)
+    edges = position_buckets(whole.config.max_position_embeddings)
+    for name, model in (("source", load_llama(source)), ("zero-shot", whole)):
+        expected = document_perplexity(model, documents, edges)
+        assert report["perplexity"][name] == pytest.approx(expected["perplexity"], rel=1e-5)
+        buckets = report["perplexity_by_position"][name]
+        assert [row["tokens"] for row in buckets] == [row["tokens"] for row in expected["buckets"]]
+        assert [row["perplexity"] for row in buckets] == pytest.approx(
+            [row["perplexity"] for row in expected["buckets"]], rel=1e-5
+        )
+    assert report["eval_documents"] == len(documents) > 1 and report["saved_stage"] == "zero-shot"
     # Read one group at a time, in each pass (the search's, where it runs, then the conversion's): the embeddings,
     # each decoder layer alone, then the tensors outside the layers.
     passes = 2 if split == "auto" else 1
@@ -75,7 +95,6 @@ def test_a_streamed_conversion_equals_the_whole_model_one(tmp_path, family, spli
             for name in layer
         )
         assert not any(name.startswith("model.layers.") for name in outer)
-    report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
     assert report["streamed"] and json.loads((tmp_path / "out" / "config.json").read_text())["auto_map"]
     card = (tmp_path / "out" / "README.md").read_text()  # a Hub model card, its cache size the budget's
     sizes = (

@@ -124,3 +124,19 @@ def student_layer(state: dict, layer_idx: int, config, like: torch.Tensor) -> tu
     layer.load_state_dict({name.removeprefix(prefix): tensor for name, tensor in state.items()}, assign=True)
     layer = layer.to(device=like.device, dtype=like.dtype).eval().requires_grad_(False)
     return layer, type(shell.model.rotary_emb)(config=config).to(like.device)
+
+
+@torch.no_grad()
+def student_layer_output(layer: torch.nn.Module, hidden: torch.Tensor, rotary: torch.nn.Module) -> torch.Tensor:
+    """A student decoder layer's outputs on `hidden` [N, S, D] (host), computed on the layer's device, causally."""
+    states = hidden.to(layer.input_layernorm.weight.device)
+    positions = torch.arange(states.shape[1], device=states.device)[None]
+    return layer(states, position_embeddings=rotary(states, positions)).cpu()
+
+
+def final_norm_and_head(shell, outer: dict, device, dtype) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The source's final norm and head (the embeddings where they are tied) from its tensors outside the layers."""
+    norm = type(shell.model.norm)(shell.config.hidden_size, eps=shell.config.rms_norm_eps)
+    norm.weight.data = outer["model.norm.weight"]
+    head = outer.get("lm_head.weight", outer["model.embed_tokens.weight"])
+    return norm.to(device=device, dtype=dtype), head.to(device=device, dtype=dtype)

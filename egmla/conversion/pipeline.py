@@ -151,6 +151,14 @@ def split_train_text(settings: TextSettings) -> tuple[list[str], list[str] | Non
     return split_documents(documents, 0.1)
 
 
+def fitting_and_held_out(settings: TextSettings) -> tuple[list[str], list[str], str]:
+    """(the fitting documents, the held-out documents, where the held-out ones come from) of a calibration text."""
+    documents, held_out = split_train_text(settings)
+    if held_out is not None:
+        return documents, held_out, f"the last 10% of the documents of {public_name(settings.train_text)}"
+    return documents, read_documents(settings.eval_text), public_name(settings.eval_text)
+
+
 def recovery_length(settings: TextSettings, context: int) -> int:
     """Tokens per recovery block (and per block of the layer-wise fit): as asked, else the source's context up to
     `MAX_RECOVERY_BLOCK`."""
@@ -160,12 +168,7 @@ def recovery_length(settings: TextSettings, context: int) -> int:
 def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
     context = teacher.config.max_position_embeddings
     if settings.train_text is not None:
-        documents, held_out_documents = split_train_text(settings)
-        if held_out_documents is not None:
-            eval_source = f"the last 10% of the documents of {public_name(settings.train_text)}"
-        else:
-            held_out_documents = read_documents(settings.eval_text)
-            eval_source = public_name(settings.eval_text)
+        documents, held_out_documents, eval_source = fitting_and_held_out(settings)
         fit = token_blocks(tokenizer, documents, settings.block_size)
         fit_source = public_name(settings.train_text)
     else:

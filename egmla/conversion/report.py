@@ -167,9 +167,15 @@ def measurement_words(report: dict) -> str:
     if report.get("streamed"):
         fitted = report.get("reconstruction", {}).get("layers")
         form = "with the layer-wise fit" if fitted else "in closed form"
+        scored = (
+            f"perplexities are on held-out documents never used for fitting, each scored whole from its first token "
+            f"up to the source's context as the layers streamed by ({report['eval_text']})"
+            if report.get("perplexity")
+            else "nothing was scored"
+        )
         return (
-            f"Converted {form} one layer at a time (`egmla convert --stream`): the cache size is the budget's "
-            "and nothing was scored; `egmla finetune` recovers and scores it."
+            f"Converted {form} one layer at a time (`egmla convert --stream`): the cache size is the budget's, "
+            f"{scored}; `egmla finetune` recovers it."
         )
     return (
         "KV values are read from the cache objects of real `generate` calls; perplexities are on held-out documents "

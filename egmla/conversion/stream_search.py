@@ -16,7 +16,16 @@ from tqdm.auto import tqdm
 from .calibration import LayerStatistics
 from .convert import Budget, ConversionOptions, ConversionPlan, factorize_layer, resolve_budget
 from .decode_cost import cost_row, source_cost
-from .layer_stream import SourceFiles, layer_config, run_layer, source_layer, student_layer, student_layer_state
+from .layer_stream import (
+    SourceFiles,
+    final_norm_and_head,
+    layer_config,
+    run_layer,
+    source_layer,
+    student_layer,
+    student_layer_output,
+    student_layer_state,
+)
 from .search import candidate_cost, candidate_row, candidates, held_out_split
 
 
@@ -54,9 +63,7 @@ def advance(candidate: CandidateStream, shell, layer, layer_idx: int, statistics
     state = student_layer_state(shell, layer, layer_idx, converted, plan)
     candidate.frequencies.append(split.frequencies)
     student, rotary = student_layer(state, layer_idx, candidate.config(shell), layer.input_layernorm.weight)
-    hidden = candidate.hidden.to(layer.input_layernorm.weight.device)
-    positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
-    candidate.hidden = student(hidden, position_embeddings=rotary(hidden, positions)).cpu()
+    candidate.hidden = student_layer_output(student, candidate.hidden, rotary)
 
 
 @torch.no_grad()
@@ -67,15 +74,6 @@ def stream_perplexity(hidden: torch.Tensor, blocks: torch.Tensor, norm: torch.nn
         logits = torch.nn.functional.linear(norm(states.to(head.device)), head).float()
         total += torch.nn.functional.cross_entropy(logits[:-1], ids[1:].to(head.device)).item()
     return math.exp(total / len(blocks))
-
-
-def final_norm_and_head(shell, files: SourceFiles, like: torch.Tensor) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The source's final norm and head (the embeddings where they are tied), on `like`'s device and dtype."""
-    outer = files.read("", outside_layers=True)
-    norm = type(shell.model.norm)(shell.config.hidden_size, eps=shell.config.rms_norm_eps)
-    norm.weight.data = outer["model.norm.weight"]
-    head = outer.get("lm_head.weight", outer["model.embed_tokens.weight"])
-    return norm.to(device=like.device, dtype=like.dtype), head.to(device=like.device, dtype=like.dtype)
 
 
 def streamed_split_search(shell, files: SourceFiles, job, blocks: torch.Tensor, folder: Path) -> tuple:
@@ -99,7 +97,8 @@ def streamed_split_search(shell, files: SourceFiles, job, blocks: torch.Tensor, 
             advance(candidate, shell, layer, layer_idx, statistics, inv_freq)
         _, source = run_layer(layer, source, rotary, record=False)
         del layer
-    norm, head = final_norm_and_head(shell, files, embeddings.to(placement.torch_device()))
+    outer = files.read("", outside_layers=True)
+    norm, head = final_norm_and_head(shell, outer, placement.torch_device(), placement.torch_dtype)
     costs = source_cost(config)
     rows = [{"candidate": "source", "perplexity": stream_perplexity(source, held_out, norm, head),
              "cost": cost_row(costs, costs)}]  # fmt: skip

@@ -13,6 +13,7 @@ import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -23,11 +24,12 @@ from transformers.dynamic_module_utils import custom_object_save
 from ..hub import public_name, source_metadata
 from ..modeling_egmla import EGMLAForCausalLM
 from ..outputs import atomic_folder, check_output_folder
-from ..text import token_blocks
+from ..text import document_ids, token_blocks
 from .calibration import source_layer_pass
 from .convert import Budget, ConversionOptions, ConversionPlan, factorize_layer, resolve_budget
 from .layer_stream import (
     SourceFiles,
+    final_norm_and_head,
     layer_config,
     run_layer,
     source_layer,
@@ -35,10 +37,11 @@ from .layer_stream import (
     student_layer,
     student_layer_state,
 )
-from .pipeline import layer_wise_inputs, recovery_length, split_train_text
+from .pipeline import fitting_and_held_out, held_out_dataset, layer_wise_inputs, recovery_length, split_train_text
 from .reconstruction import LayerStreams, ReconstructionSettings, StudentBlock, fit_layer, next_student_stream
-from .report import write_model_card
+from .report import print_report, write_model_card
 from .source import check_family, check_supported, load_tokenizer
+from .stream_scoring import DocumentStreams, advance_documents, document_scores, document_streams
 from .stream_search import load_statistics, streamed_split_search
 from .timing import StageTimes
 
@@ -105,17 +108,35 @@ def fit_streamed_layer(source, layer_idx: int, state: dict, config, fitting: Fit
     return {prefix + name: tensor for name, tensor in student.state_dict().items()}, row
 
 
-def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path, blocks, statistics_folder) -> tuple:
-    """Every layer read, calibrated on `blocks` (or its statistics read from `statistics_folder`, where the split
-    search saved them), factorized, fitted and written: (each layer's rope frequencies, the weight map, the bytes
-    written, the layer-wise fit's rows)."""
-    options, placement = job.options, job.placement
-    embeddings = files.read("model.embed_tokens.")["weight"]
-    hidden = None if statistics_folder else torch.nn.functional.embedding(blocks, embeddings).to(placement.torch_dtype)
-    fitting = fitting_streams(blocks, embeddings, job, shell.config.max_position_embeddings)
+class StreamedText(NamedTuple):
+    """What the conversion's pass reads beside the source: the calibration blocks and the held-out documents."""
+
+    blocks: torch.Tensor  # calibration token blocks [N, S]
+    documents: list[torch.Tensor]  # held-out documents' ids, whole up to the source's context (none: not scored)
+
+
+@dataclasses.dataclass
+class LayersWritten:
+    """What the conversion's pass over the layers leaves: each layer's rope frequencies, the shards' weight map and
+    bytes, the layer-wise fit's rows, and the held-out documents' streams past the last layer (None: not scored)."""
+
+    frequencies: list = dataclasses.field(default_factory=list)
+    weight_map: dict = dataclasses.field(default_factory=dict)
+    total: int = 0
+    rows: list = dataclasses.field(default_factory=list)
+    documents: DocumentStreams | None = None
+
+
+def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path, text, statistics_folder):
+    """Every layer read, calibrated on `text.blocks` (or its statistics read from `statistics_folder`, where the split
+    search saved them), factorized, fitted and written, the held-out documents moved past it: a `LayersWritten`."""
+    options, placement, context = job.options, job.placement, shell.config.max_position_embeddings
+    embeddings = files.read("model.embed_tokens.")["weight"].to(placement.torch_dtype)
+    hidden = None if statistics_folder else torch.nn.functional.embedding(text.blocks, embeddings)
+    fitting = fitting_streams(text.blocks, embeddings, job, context)
+    written = LayersWritten(documents=document_streams(text.documents, embeddings, context) if text.documents else None)
     inv_freq = shell.model.rotary_emb.inv_freq.float().cpu()
     plan = ConversionPlan(options, budget, [], [], [])  # the shape; the splits and factors come layer by layer
-    frequencies, weight_map, total, rows = [], {}, 0, []
     for layer_idx in tqdm(range(shell.config.num_hidden_layers), desc="streaming layers", unit="layer", leave=False):
         layer = source_layer(shell, files, layer_idx, placement)
         rotary = shell.model.rotary_emb.to(layer.input_layernorm.weight.device)
@@ -125,70 +146,93 @@ def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path
             statistics, hidden = run_layer(layer, hidden, rotary)
         split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, budget, options)
         state = student_layer_state(shell, layer, layer_idx, (split, factorization.truncate(budget.kv_lora_rank)), plan)
-        frequencies.append(split.frequencies)
+        written.frequencies.append(split.frequencies)
+        config = layer_config(shell, options, budget, written.frequencies)
         if fitting is not None:
-            config = layer_config(shell, options, budget, frequencies)
             state, row = fit_streamed_layer(layer, layer_idx, state, config, fitting, rotary)
-            rows.append(row)
-        total += write_shard(
-            staging, f"model-layer-{layer_idx:05d}.safetensors", state, placement.torch_dtype, weight_map
-        )
+            written.rows.append(row)
+        if written.documents is not None:
+            student, student_rotary = student_layer(state, layer_idx, config, layer.input_layernorm.weight)
+            advance_documents(written.documents, layer, rotary, student, student_rotary)
+        name = f"model-layer-{layer_idx:05d}.safetensors"
+        written.total += write_shard(staging, name, state, placement.torch_dtype, written.weight_map)
         del layer, state, split, factorization  # one layer at a time
-    return frequencies, weight_map, total, rows
+    return written
+
+
+def held_out_documents(job, tokenizer, context: int) -> tuple[list[torch.Tensor], str]:
+    """The held-out documents the whole-model conversion scores (none with `eval_documents=0`), and where from."""
+    _, documents, eval_source = fitting_and_held_out(job.text)
+    return document_ids(tokenizer, documents[: job.text.eval_documents], context), eval_source
 
 
 def run_streaming_conversion(job) -> dict:
     """Converts `job.source` (a local folder of safetensors) layer by layer into `job.out`: the split search's pass
-    where the split is left to it, then the conversion's (the closed form, and the layer-wise fit unless it is off)."""
+    where the split is left to it, then the conversion's (the closed form, and the layer-wise fit unless it is off),
+    scoring the held-out documents as it goes."""
     folder = Path(job.source)
     if not folder.is_dir():
         raise ValueError(f"--stream reads a local folder of safetensors files; {job.source} is not one.")
     check_output_folder(job.out, job.overwrite, (str(folder),))
-    started = time.time()
+    started, times = time.time(), StageTimes()
     config = AutoConfig.from_pretrained(folder)
     check_family(config.model_type, job.source)
     check_supported(config)
     check_streamable(job.options)
-    files, shell, tokenizer, times = (
-        SourceFiles(folder),
-        source_shell(config),
-        load_tokenizer(str(folder)),
-        StageTimes(),
-    )
-    blocks = calibration_blocks(job, tokenizer)
+    files, shell, tokenizer = SourceFiles(folder), source_shell(config), load_tokenizer(str(folder))
+    blocks = calibration_blocks(job, tokenizer)  # refuses a job without text by name
+    documents, eval_source = held_out_documents(job, tokenizer, config.max_position_embeddings)
+    text = StreamedText(blocks, documents)
     with atomic_folder(job.out, job.overwrite, (str(folder),)) as staging:
-        with tempfile.TemporaryDirectory(dir=staging, prefix=".statistics-") as saved:
-            searching = times.stage("split search") if job.options.rope_split == "auto" else nullcontext()
-            with searching:  # a pass of its own over the layers
-                options, candidates = streamed_split_search(shell, files, job, blocks, Path(saved))
-            job, budget = dataclasses.replace(job, options=options), resolve_budget(config, options)
-            with times.stage("layers"):
-                statistics = Path(saved) if candidates else None
-                frequencies, weight_map, total, rows = layer_by_layer(
-                    shell, files, job, budget, staging, blocks, statistics
-                )
+        job, budget, candidates, written = convert_layers(shell, files, job, staging, text, times)
         with times.stage("embeddings and head"):
             outer = files.read("", outside_layers=True)
-            total += write_shard(staging, "model-outer.safetensors", outer, job.placement.torch_dtype, weight_map)
-        save_config(layer_config(shell, options, budget, frequencies), staging, weight_map, total, job.placement.dtype)
+            written.total += write_shard(
+                staging, "model-outer.safetensors", outer, job.placement.torch_dtype, written.weight_map
+            )
+        scores, stage = {}, "layer-wise" if written.rows else "zero-shot"
+        if written.documents is not None:
+            with times.stage("scoring"):
+                norm, head = final_norm_and_head(shell, outer, job.placement.torch_device(), job.placement.torch_dtype)
+                scores = document_scores(written.documents, norm, head, stage)
+        student_config = layer_config(shell, job.options, budget, written.frequencies)
+        save_config(student_config, staging, written.weight_map, written.total, job.placement.dtype)
         tokenizer.save_pretrained(staging)
         report = {
             "source": public_name(job.source),
-            "options": dataclasses.asdict(options),
+            "options": dataclasses.asdict(job.options),
             "budget": dataclasses.asdict(budget),
             "candidates": candidates,
             "streamed": True,
+            "reconstruction": {**dataclasses.asdict(job.reconstruction), "layers": written.rows},
+            **({"eval_text": eval_source, "eval_documents": len(documents), "saved_stage": stage} if scores else {}),
+            **scores,
             "seconds": round(time.time() - started, 1),
-            "reconstruction": {**dataclasses.asdict(job.reconstruction), "layers": rows},
             "stage_seconds": times.seconds,
             "placement": {"device": str(job.placement.torch_device()), "dtype": job.placement.dtype},
         }
         metadata = source_metadata(job.source, job.base_model, job.license)
-        report["card"] = {**dataclasses.asdict(metadata), "model_name": Path(job.out).name}
+        report["card"] = {**dataclasses.asdict(metadata), "model_name": Path(job.out).name,
+                          "eval_dataset": held_out_dataset(job.text)}  # fmt: skip
         write_model_card(staging, report)
-    form = f"{len(rows)} layers fitted" if rows else "closed form"
-    print(f"streamed {config.num_hidden_layers} layers into {job.out} ({report['seconds']} s, {form})")
+    print_report(report)
+    form = f"{len(written.rows)} layers fitted" if written.rows else "closed form"
+    print(f"\nstreamed {config.num_hidden_layers} layers into {job.out} ({report['seconds']} s, {form})")
     return report
+
+
+def convert_layers(shell, files: SourceFiles, job, staging: Path, text: StreamedText, times: StageTimes) -> tuple:
+    """The split search's pass where the split is left to it, then the conversion's: (the job with the chosen
+    options, their budget, the search's rows, the `LayersWritten`)."""
+    with tempfile.TemporaryDirectory(dir=staging, prefix=".statistics-") as saved:
+        with times.stage("split search") if job.options.rope_split == "auto" else nullcontext():
+            options, candidates = streamed_split_search(shell, files, job, text.blocks, Path(saved))
+        job = dataclasses.replace(job, options=options)
+        budget = resolve_budget(shell.config, options)
+        with times.stage("layers"):
+            statistics = Path(saved) if candidates else None
+            written = layer_by_layer(shell, files, job, budget, staging, text, statistics)
+    return job, budget, candidates, written
 
 
 def save_config(config, staging: Path, weight_map: dict, total: int, dtype: str) -> None:

@@ -1,0 +1,52 @@
+"""Held-out scoring of a streamed conversion: the whole documents the whole-model conversion scores
+(`pipeline.score_documents`), moved through each source layer and its converted student layer as they stream by,
+both residual streams kept on the host; the source's final norm and head score the two at the end."""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..text import DocumentLosses, document_batches, position_buckets
+from .layer_stream import run_layer, student_layer_output
+
+
+@dataclass
+class DocumentStreams:
+    """Right-padded batches of whole held-out documents (ids, mask [B, T]) and the source's and the student's
+    residual streams over them [B, T, D], on the host."""
+
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    source: list[torch.Tensor]
+    student: list[torch.Tensor]
+    context: int  # the source's: the position buckets' last edge
+
+
+def document_streams(documents: list[torch.Tensor], embeddings: torch.Tensor, context: int) -> DocumentStreams:
+    """The documents' embeddings [B, T, D] (in `embeddings`' dtype), a copy for each model."""
+    batches = document_batches(documents)
+    source = [torch.nn.functional.embedding(ids, embeddings) for ids, _ in batches]
+    return DocumentStreams(batches, source, [hidden.clone() for hidden in source], context)
+
+
+def advance_documents(streams: DocumentStreams, source_layer, source_rotary, student, student_rotary) -> None:
+    """Both streams past one layer: the source's (causal over each right-padded batch, as exact on the real tokens
+    as a padding mask) and the student's."""
+    streams.source = [run_layer(source_layer, hidden, source_rotary, record=False)[1] for hidden in streams.source]
+    streams.student = [student_layer_output(student, hidden, student_rotary) for hidden in streams.student]
+
+
+@torch.no_grad()
+def document_scores(streams: DocumentStreams, norm: torch.nn.Module, head: torch.Tensor, student_name: str) -> dict:
+    """The source's and the student's held-out perplexity, overall and by position, as `score_documents` gives them."""
+    scores = {}
+    for name, hiddens in (("source", streams.source), (student_name, streams.student)):
+        losses = DocumentLosses(position_buckets(streams.context))
+        for hidden, (ids, mask) in zip(hiddens, streams.batches, strict=True):
+            for row in range(len(ids)):  # a document's logits at a time: [T, V] of a 128k vocabulary is large
+                logits = torch.nn.functional.linear(norm(hidden[row : row + 1, :-1].to(head.device)), head)
+                losses.add(logits, ids[row : row + 1], mask[row : row + 1])
+        scores[name] = losses.result()
+    return {
+        "perplexity": {name: score["perplexity"] for name, score in scores.items()},
+        "perplexity_by_position": {name: score["buckets"] for name, score in scores.items()},
+    }
