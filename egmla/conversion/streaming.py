@@ -4,8 +4,8 @@ the chosen dtype), factorized, fitted by the layer-wise fit (as the whole-model 
 and the student's streams, also kept on the host), and its student layer written as a shard of its own; peak memory
 is one source layer and one student layer, the embeddings and the activations, not two whole models. With the split
 left to the search, a first pass streams the layers for it (`stream_search.py`) and the conversion reads the
-statistics it saved. The gate, the recovery and the held-out scoring need the whole model: streaming does without
-them."""
+statistics it saved. The held-out documents move through each source layer and its student layer as they go by
+(`stream_scoring.py`). The gate and the recovery need the whole model: streaming does without them."""
 
 import dataclasses
 import json
