@@ -51,6 +51,21 @@ def held_out_ids(source: Path) -> list[torch.Tensor]:
     return document_ids(load_tokenizer(str(source)), held_out[:100], context)
 
 
+def assert_scores(report: dict, source: Path, models: dict, rel: float) -> None:
+    """The report's held-out scores, overall and by position, are the whole-model scores of `models`."""
+    documents = held_out_ids(source)
+    edges = position_buckets(load_llama(source).config.max_position_embeddings)
+    for name, model in models.items():
+        expected = document_perplexity(model, documents, edges)
+        assert report["perplexity"][name] == pytest.approx(expected["perplexity"], rel=rel)
+        buckets = report["perplexity_by_position"][name]
+        assert [row["tokens"] for row in buckets] == [row["tokens"] for row in expected["buckets"]]
+        assert [row["perplexity"] for row in buckets] == pytest.approx(
+            [row["perplexity"] for row in expected["buckets"]], rel=rel
+        )
+    assert report["eval_documents"] == len(documents) > 1
+
+
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_streamed_conversion_equals_the_whole_model_one(tmp_path, family, split, monkeypatch):
@@ -72,17 +87,8 @@ def test_a_streamed_conversion_equals_the_whole_model_one(tmp_path, family, spli
         torch.testing.assert_close(streamed(input_ids).logits, whole(input_ids).logits, rtol=0, atol=1e-5)
     # The held-out documents scored as the layers streamed by: the whole-model scores of the source and the output.
     report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
-    documents = held_out_ids(source)
-    edges = position_buckets(whole.config.max_position_embeddings)
-    for name, model in (("source", load_llama(source)), ("zero-shot", whole)):
-        expected = document_perplexity(model, documents, edges)
-        assert report["perplexity"][name] == pytest.approx(expected["perplexity"], rel=1e-5)
-        buckets = report["perplexity_by_position"][name]
-        assert [row["tokens"] for row in buckets] == [row["tokens"] for row in expected["buckets"]]
-        assert [row["perplexity"] for row in buckets] == pytest.approx(
-            [row["perplexity"] for row in expected["buckets"]], rel=1e-5
-        )
-    assert report["eval_documents"] == len(documents) > 1 and report["saved_stage"] == "zero-shot"
+    assert_scores(report, source, {"source": load_llama(source), "zero-shot": whole}, rel=1e-5)
+    assert report["saved_stage"] == "zero-shot"
     # Read one group at a time, in each pass (the search's, where it runs, then the conversion's): the embeddings,
     # each decoder layer alone, then the tensors outside the layers.
     passes = 2 if split == "auto" else 1
@@ -201,3 +207,5 @@ def test_the_streamed_layer_wise_fit_equals_the_whole_model_one(tmp_path, family
     with torch.no_grad():
         torch.testing.assert_close(streamed(input_ids).logits, whole(input_ids).logits, rtol=0, atol=1e-4)
         assert (streamed(input_ids).logits - closed_form(input_ids).logits).abs().max() > 1e-3  # the fit moved it
+    # Scored as the layers streamed by, the fitted student beside its source (which fitting left as it was).
+    assert_scores(report, source, {"source": load_llama(source), "layer-wise": whole}, rel=1e-4)

@@ -115,13 +115,15 @@ def layer_config(shell, options: ConversionOptions, budget: Budget, frequencies:
 
 
 def student_layer(state: dict, layer_idx: int, config, like: torch.Tensor) -> tuple:
-    """Student decoder layer `layer_idx` built from its `state`, on `like`'s device and dtype, and the student's
-    rotary embedding there."""
+    """Student decoder layer `layer_idx` built from a copy of its `state`, on `like`'s device and dtype, and the
+    student's rotary embedding there."""
     prefix = f"model.layers.{layer_idx}."
     with torch.device("meta"):
         shell = EGMLAForCausalLM(config)  # its layers get the attention implementation a loaded model has
     layer = shell.model.layers[layer_idx]
-    layer.load_state_dict({name.removeprefix(prefix): tensor for name, tensor in state.items()}, assign=True)
+    # Copies: the state holds source tensors as they are (o_proj, the MLP), which fitting the student must not move.
+    state = {name.removeprefix(prefix): tensor.detach().clone() for name, tensor in state.items()}
+    layer.load_state_dict(state, assign=True)
     layer = layer.to(device=like.device, dtype=like.dtype).eval().requires_grad_(False)
     return layer, type(shell.model.rotary_emb)(config=config).to(like.device)
 
