@@ -88,9 +88,9 @@ def test_a_choice_outside_a_fields_choices_is_refused_by_name():
     ("flags", "expected"),
     [
         ([], {"max_minutes": 4.5, "attention_only": False, "learning_rate": 1e-4, "reconstruction_steps": 200,
-              "time_limit": None}),
+              "reconstruction_batch_size": 4, "time_limit": None}),
         (["--train-text", "T.txt"], {"max_minutes": 7.0, "attention_only": True, "learning_rate": 2e-4,
-                                     "reconstruction_steps": 100, "time_limit": None}),
+                                     "reconstruction_steps": 100, "reconstruction_batch_size": 4, "time_limit": None}),
         (["--max-minutes", "2", "--learning-rate", "3e-4", "--time-limit", "30"],
          {"max_minutes": 2.0, "learning_rate": 3e-4, "time_limit": 30.0}),
     ],
@@ -106,7 +106,12 @@ def test_retrofit_settings_follow_its_text_unless_given(monkeypatch, flags, expe
     monkeypatch.setattr(cli, "run_conversion", jobs.append)
     cli.main(["retrofit", "SRC.gguf", "--out", "OUT", *flags])
     finetune, reconstruction = jobs[0].finetune, jobs[0].reconstruction
-    settings = {**vars(finetune), "reconstruction_steps": reconstruction.steps, "time_limit": jobs[0].time_limit}
+    settings = {
+        **vars(finetune),
+        "reconstruction_steps": reconstruction.steps,
+        "reconstruction_batch_size": reconstruction.batch_size,
+        "time_limit": jobs[0].time_limit,
+    }
     assert {name: settings[name] for name in expected} == expected and finetune.steps is None
     assert finetune.mixed_precision == "auto" and reconstruction.mixed_precision == "auto"
     assert jobs[0].text.sample_temperature == 0.8  # the data-free text, sampled cooler

@@ -49,12 +49,14 @@ RETROFIT_BY_TEXT = {
     "text": {
         "max_minutes": 7.0,
         "reconstruction_steps": 100,
+        "reconstruction_batch_size": 4,  # as measured (2 packed blocks a step); convert's default is half that
         "attention_only": True,
         "learning_rate": 2e-4,
     },
     "data-free": {
         "max_minutes": 4.5,
         "reconstruction_steps": 200,
+        "reconstruction_batch_size": 4,  # 128-token sampled blocks packed to 512: one a step
         "attention_only": False,
         "learning_rate": 1e-4,
     },

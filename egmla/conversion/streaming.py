@@ -102,8 +102,8 @@ def fit_streamed_layer(source, layer_idx: int, state: dict, config, fitting: Fit
     layer, source_out = source_layer_pass(source, source_in, source_rotary(source_in, positions))
     streams = LayerStreams(student_in, layer.hidden, layer.hidden + layer.attention)
     block = StudentBlock(student, None, False)
-    row = fit_layer(block, streams, blocks, rotary, fitting.settings)
-    fitting.student = next_student_stream(block, streams, blocks, rotary).cpu()
+    row, attended = fit_layer(block, streams, blocks, rotary, fitting.settings)
+    fitting.student = next_student_stream(block, attended).cpu()
     fitting.source = source_out.cpu()
     return {prefix + name: tensor for name, tensor in student.state_dict().items()}, row
 
