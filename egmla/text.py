@@ -190,6 +190,21 @@ class DocumentLosses:
         return {"perplexity": math.exp(nll.sum() / count.sum()), "tokens": int(count.sum()), "buckets": rows}
 
 
+# The model types whose logits are their output head over their decoder's last hidden states (no logit scale or
+# soft-capping): scored from those hidden states, a document's logits at a time.
+PLAIN_HEAD_MODEL_TYPES = ("egmla", "llama", "mistral", "qwen2")
+
+
+def add_document_losses(
+    losses: DocumentLosses, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, head
+) -> None:
+    """A `document_batches` batch's losses from its last hidden states [B, T, D], `head` making one document's
+    logits at a time over its own tokens: a batch's [B, T, V] of a large vocabulary outweighs the model."""
+    for row, length in enumerate(mask.sum(dim=1).tolist()):
+        logits = head(hidden[row : row + 1, : length - 1])
+        losses.add(logits, ids[row : row + 1, :length], mask[row : row + 1, :length])
+
+
 @torch.no_grad()
 def document_perplexity(
     model: torch.nn.Module, documents: list[torch.Tensor], edges: list[int], batch_size: int = 8, progress: bool = False
@@ -201,8 +216,13 @@ def document_perplexity(
     device = next(model.parameters()).device
     losses = DocumentLosses(edges)
     batches = document_batches(documents, batch_size)
+    plain_head = getattr(getattr(model, "config", None), "model_type", None) in PLAIN_HEAD_MODEL_TYPES
     for ids, mask in tqdm(batches, desc="scoring documents", unit="batch", leave=False, disable=not progress):
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
-        losses.add(logits[:, :-1], ids, mask)
+        inputs = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "use_cache": False}
+        if plain_head:
+            hidden = model.get_decoder()(**inputs).last_hidden_state
+            add_document_losses(losses, hidden, ids, mask, model.get_output_embeddings())
+        else:
+            losses.add(model(**inputs).logits[:, :-1], ids, mask)
     model.train(was_training)
     return losses.result()

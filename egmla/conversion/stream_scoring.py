@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..text import DocumentLosses, document_batches, position_buckets
+from ..text import DocumentLosses, add_document_losses, document_batches, position_buckets
 from .layer_stream import run_layer, student_layer_output
 
 
@@ -42,9 +42,9 @@ def document_scores(streams: DocumentStreams, norm: torch.nn.Module, head: torch
     for name, hiddens in (("source", streams.source), (student_name, streams.student)):
         losses = DocumentLosses(position_buckets(streams.context))
         for hidden, (ids, mask) in zip(hiddens, streams.batches, strict=True):
-            for row in range(len(ids)):  # a document's logits at a time: [T, V] of a 128k vocabulary is large
-                logits = torch.nn.functional.linear(norm(hidden[row : row + 1, :-1].to(head.device)), head)
-                losses.add(logits, ids[row : row + 1], mask[row : row + 1])
+            add_document_losses(
+                losses, hidden, ids, mask, lambda rows: torch.nn.functional.linear(norm(rows.to(head.device)), head)
+            )
         scores[name] = losses.result()
     return {
         "perplexity": {name: score["perplexity"] for name, score in scores.items()},

@@ -1,0 +1,94 @@
+"""Held-out scoring of whole documents, as a conversion's report scores them: the model's logits for a whole batch
+(`model(...).logits`, the way egmla scored until now) against egmla's `document_perplexity` (the decoder's last
+hidden states, the head applied a document at a time over its own tokens). Seconds interleaved in one process
+(medians), the perplexities of both, and the peak resident memory of each in a process of its own.
+
+    python benchmarks/document_scoring.py SOURCE --text T          # SOURCE: a Llama folder or GGUF
+    python benchmarks/document_scoring.py runs/llama-1b --text T --documents 20 --repetitions 1
+"""
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from egmla.conversion.source import load_llama, load_tokenizer
+from egmla.text import (
+    DocumentLosses,
+    document_batches,
+    document_ids,
+    document_perplexity,
+    position_buckets,
+    read_documents,
+    split_documents,
+)
+
+
+@torch.no_grad()
+def whole_batch_logits(model: torch.nn.Module, documents: list[torch.Tensor], edges: list[int]) -> dict:
+    """The baseline: every batch's logits [B, T, V] at once."""
+    losses = DocumentLosses(edges)
+    for ids, mask in document_batches(documents):
+        losses.add(model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1], ids, mask)
+    return losses.result()
+
+
+SCORERS = {
+    "whole-batch logits": whole_batch_logits,
+    "document_perplexity (egmla)": document_perplexity,
+}
+
+
+def held_out(args: argparse.Namespace, model: torch.nn.Module) -> list[torch.Tensor]:
+    """The documents a conversion with this text scores: its last 10%, whole up to the source's context."""
+    _, documents = split_documents(read_documents(args.text), 0.1)
+    context = model.config.max_position_embeddings
+    return document_ids(load_tokenizer(args.source), documents[: args.documents], context)
+
+
+def peak_rss_of(args: argparse.Namespace, scorer: str) -> float:
+    """The peak resident GB of a process that loads the model and scores once with `scorer`."""
+    command = [sys.executable, __file__, args.source, "--text", args.text, "--documents", str(args.documents)]
+    output = subprocess.run([*command, "--only", scorer], check=True, capture_output=True, text=True).stdout
+    return json.loads(output.strip().splitlines()[-1])["peak_rss_gb"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source")
+    parser.add_argument("--text", required=True, help="the fitting text; its last 10% of documents are scored")
+    parser.add_argument("--documents", type=int, default=100)
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--only", choices=SCORERS, help=argparse.SUPPRESS)  # the child process of peak_rss_of
+    args = parser.parse_args()
+    model = load_llama(args.source).eval()
+    documents = held_out(args, model)
+    edges = position_buckets(model.config.max_position_embeddings)
+    if args.only:
+        SCORERS[args.only](model, documents, edges)
+        print(json.dumps({"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+        return
+    seconds, results = {name: [] for name in SCORERS}, {}
+    for _ in range(args.repetitions):
+        for name, scorer in SCORERS.items():
+            started = time.perf_counter()
+            results[name] = scorer(model, documents, edges)
+            seconds[name].append(time.perf_counter() - started)
+    tokens = sum(len(document) - 1 for document in documents)
+    print(f"{len(documents)} documents, {tokens:,} predicted tokens, vocabulary {model.config.vocab_size:,}")
+    baseline = statistics.median(seconds["whole-batch logits"])
+    for name in SCORERS:
+        median = statistics.median(seconds[name])
+        print(
+            f"  {name:28s} {median:7.1f} s ({median / baseline:.2f}x)  perplexity {results[name]['perplexity']:.4f}"
+            f"  peak RSS {peak_rss_of(args, name):.2f} GB"
+        )
+
+
+if __name__ == "__main__":
+    main()
