@@ -14,9 +14,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from egmla.conversion.pipeline import TextSettings, fitting_and_held_out
 from egmla.conversion.source import load_llama, load_tokenizer
 from egmla.text import (
     DocumentLosses,
@@ -24,8 +26,6 @@ from egmla.text import (
     document_ids,
     document_perplexity,
     position_buckets,
-    read_documents,
-    split_documents,
 )
 
 
@@ -46,7 +46,7 @@ SCORERS = {
 
 def held_out(args: argparse.Namespace, model: torch.nn.Module) -> list[torch.Tensor]:
     """The documents a conversion with this text scores: its last 10%, whole up to the source's context."""
-    _, documents = split_documents(read_documents(args.text), 0.1)
+    _, documents, _ = fitting_and_held_out(TextSettings(train_text=Path(args.text)))
     context = model.config.max_position_embeddings
     return document_ids(load_tokenizer(args.source), documents[: args.documents], context)
 
