@@ -21,7 +21,7 @@ from egmla.conversion import (
     plan_conversion,
 )
 from egmla.conversion.decode_cost import egmla_cost
-from egmla.conversion.factorization import allocate_ranks, factorize
+from egmla.conversion.factorization import allocate_ranks, factorize, output_weights, psd_sqrt
 from egmla.conversion.pipeline import StageSelection, TextSettings
 from egmla.conversion.reconstruction import ReconstructionSettings
 from egmla.conversion.rope import rotation_variance
@@ -217,6 +217,28 @@ def test_activation_aware_beats_weight_only_on_stories260k(stories):
         assert student.config.kv_cache_values_per_token() / student.config.num_hidden_layers == 32
         results[factorization] = perplexity(student, held_out)
     assert results["activation"] < results["weight"]
+
+
+def test_output_weights_follow_their_definition_per_head():
+    # The value spread is taken as one trace per KV head; its definition sums [D, D] products over the query heads.
+    generator = torch.Generator().manual_seed(0)
+    hidden, key_heads, group, head_dim, nope = 12, 2, 3, 4, 2
+    normal = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64)  # noqa: E731
+    inputs = normal(40, hidden)
+    covariance, value, output = inputs.T @ inputs / 40, normal(key_heads, head_dim, hidden), normal(hidden, 24)
+    split = SimpleNamespace(
+        nope_query=normal(key_heads * group, nope, hidden), nope_key=normal(key_heads, nope, hidden)
+    )
+    weights = output_weights(split, value, output, covariance, key_value_balance=0.5)
+    blocks = []
+    for g in range(key_heads):
+        heads = range(g * group, (g + 1) * group)
+        projections = [output[:, h * head_dim : (h + 1) * head_dim] for h in heads]
+        spread = sum(torch.trace(o @ value[g] @ covariance @ value[g].T @ o.T) for o in projections) / group
+        query = sum(split.nope_query[h] @ covariance @ split.nope_query[h].T for h in heads)
+        key_block = 0.5 * head_dim**-0.5 * spread.sqrt() * psd_sqrt(query)
+        blocks.append(torch.block_diag(key_block, psd_sqrt(sum(o.T @ o for o in projections))))
+    torch.testing.assert_close(weights, torch.block_diag(*blocks), rtol=1e-10, atol=1e-12)
 
 
 def test_allocate_ranks_takes_the_largest_energy_shares():

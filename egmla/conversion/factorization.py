@@ -43,8 +43,10 @@ def output_weights(
     for g in range(key_heads):
         heads = range(g * group, (g + 1) * group)
         projections = [output[:, h * head_dim : (h + 1) * head_dim] for h in heads]  # O_h [D, hd]
-        value_weight = psd_sqrt(sum(o.T @ o for o in projections))
-        spread = sum(torch.trace(o @ value[g] @ covariance @ value[g].T @ o.T) for o in projections) / group
+        gram = sum(o.T @ o for o in projections)  # sum_h O_h^T O_h [hd, hd]
+        value_weight = psd_sqrt(gram)
+        # sum_h tr(O_h V C V^T O_h^T) = tr(V C V^T gram): [hd, hd] products instead of [D, D] ones per head.
+        spread = torch.trace(value[g] @ covariance @ value[g].T @ gram) / group
         if split.nope_key.shape[1]:
             query_covariance = sum(split.nope_query[h] @ covariance @ split.nope_query[h].T for h in heads)
             scale = key_value_balance * head_dim**-0.5 * spread.sqrt()
