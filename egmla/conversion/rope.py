@@ -102,12 +102,14 @@ def split_shared(
     key_heads, head_dim = key.shape[0], key.shape[1]
     group = query.shape[0] // key_heads
     keys, queries = as_complex(key), as_complex(query)  # [Hkv, hd/2, D], [Hq, hd/2, D]
-    covariance = statistics.covariance.double().to(keys.dtype)
+    covariance = statistics.covariance.double()
+    # The keys times the (real) covariance at every frequency in one product, [Hkv, hd/2, D].
+    weighted = torch.complex(keys.real @ covariance, keys.imag @ covariance)
     mixings, candidates = [], []
     turning = rotation_variance(inv_freq, statistics.context_length).double()
     for frequency in range(head_dim // 2):
         rows = keys[:, frequency]  # [Hkv, D]
-        energy, vectors = torch.linalg.eigh(rows @ covariance @ rows.conj().T)  # E[k k^H], ascending
+        energy, vectors = torch.linalg.eigh(weighted[:, frequency] @ rows.conj().T)  # E[k k^H], ascending
         mixing = vectors.flip(1).conj().T  # [components, Hkv]: component c = sum_g mixing[c, g] k_g
         mixings.append(mixing)
         for component, value in enumerate(energy.flip(0).clamp(min=0).sqrt()):
