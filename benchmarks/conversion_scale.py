@@ -89,8 +89,9 @@ def tokenizer_for(shape: tuple, scratch: Path) -> Path:
     return folder
 
 
-def convert(source: Path, out: Path, flags: list[str]) -> dict:
-    """One `egmla convert` in a child process: its report and its peak RSS in GB (the OS's count for that child)."""
+def convert(source: Path, out: Path, flags: list[str], log: Path | None = None) -> dict:
+    """One `egmla convert` in a child process: its report and its peak RSS in GB (the OS's count for that child);
+    with `log`, the child's output and progress bars go there (else they are dropped)."""
     command = [
         sys.executable,
         "-m",
@@ -104,8 +105,10 @@ def convert(source: Path, out: Path, flags: list[str]) -> dict:
         *flags,
     ]
     started = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ, "TQDM_DISABLE": "1"})
-    _, status, usage = os.wait4(child.pid, 0)
+    with open(log or os.devnull, "a") as output:
+        environment = os.environ if log else {**os.environ, "TQDM_DISABLE": "1"}
+        child = subprocess.Popen(command, stdout=output, stderr=output if log else None, env=environment)
+        _, status, usage = os.wait4(child.pid, 0)
     if status != 0:
         raise RuntimeError(f"egmla convert failed on {source} (status {status}): {' '.join(command)}")
     report = json.loads((out / "conversion_report.json").read_text())
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--closed-form", action="store_true", help="no split search, layer-wise fit or recovery")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--log", type=Path, default=None, help="append each conversion's output and progress here")
     parser.add_argument("convert_flags", nargs="*", help="after --: more `egmla convert` flags")
     args = parser.parse_args(argv)
     flags = ["--train-text", str(args.text), "--dtype", args.dtype, *(CLOSED_FORM if args.closed_form else [])]
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for name in args.shapes:
             source = scratch / name
             gigabytes = make_source(source, SHAPES[name], args.layers, args.dtype, tokenizer_for(SHAPES[name], scratch))
-            result = convert(source, scratch / f"{name}-egmla", flags + args.convert_flags)
+            result = convert(source, scratch / f"{name}-egmla", flags + args.convert_flags, args.log)
             rows.append(row(name, gigabytes, result, result["report"]["budget"]))
     print_rows(rows, args)
     if args.json:

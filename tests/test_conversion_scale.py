@@ -15,7 +15,17 @@ QUICK = ["--calibration-blocks", "8", "--eval-documents", "4", "--reconstruction
 
 def test_the_scale_benchmark_reports_stage_times_and_peak_memory(tmp_path, capsys):
     (row,) = conversion_scale.main(
-        ["--shapes", "tiny", "--text", str(EXCERPT), "--json", str(tmp_path / "rows.json"), "--", *QUICK]
+        [
+            "--shapes",
+            "tiny",
+            "--text",
+            str(EXCERPT),
+            "--json",
+            str(tmp_path / "rows.json"),
+            "--log",
+            str(tmp_path / "log"),
+        ]
+        + ["--", *QUICK]
     )
     assert row["shape"] == "tiny" and row["checkpoint_gb"] > 0
     assert 0.1 < row["peak_rss_gb"] < 8  # the child's own peak, read from wait4
@@ -23,3 +33,4 @@ def test_the_scale_benchmark_reports_stage_times_and_peak_memory(tmp_path, capsy
     assert {"load", "split search", "factorization", "layer-wise fit", "recovery", "scoring"} <= set(stages)
     assert sum(stages.values()) <= row["wall_s"]
     assert "| tiny |" in capsys.readouterr().out and (tmp_path / "rows.json").exists()
+    assert "saved " in (tmp_path / "log").read_text()  # the child's own output, kept with --log
