@@ -144,3 +144,25 @@ def test_bad_model_input_is_refused_by_name():
 
     with pytest.raises(ValueError, match="needs a cache that keeps them per token"):
         model(torch.tensor([[3, 4]]), cache=DynamicCache())
+
+
+def test_a_conversion_that_will_not_fit_in_memory_is_warned_before_it_runs(monkeypatch, tmp_path, capsys):
+    from egmla.conversion import memory
+    from egmla.training import FinetuneSettings
+
+    teacher = tiny_llama()
+    source_bytes = sum(p.numel() * p.element_size() for p in teacher.parameters())
+    monkeypatch.setattr(memory, "get_max_memory", lambda: {"cpu": 2 * source_bytes})
+    full = memory.memory_warning(teacher, FinetuneSettings())
+    assert full and f"{4 * source_bytes / 1e9:.1f} GB more on cpu" in full and "--dtype bfloat16" in full
+    assert memory.memory_warning(teacher, FinetuneSettings(lora=True)) is None  # the student alone fits
+    assert memory.memory_warning(teacher, None) is None
+    monkeypatch.setattr(memory, "get_max_memory", lambda: {})  # unknown: nothing to say
+    assert memory.memory_warning(teacher, FinetuneSettings()) is None
+
+    # The command says so before its long stages, and still converts.
+    source = llama_folder(tmp_path / "src")
+    monkeypatch.setattr(memory, "get_max_memory", lambda: {"cpu": 1})
+    main(["convert", str(source), "--out", str(tmp_path / "out"), *FAST, "--steps", "0", "--eval-documents", "2"])
+    output = capsys.readouterr().out
+    assert "it may run out of memory" in output and (tmp_path / "out" / "config.json").exists()

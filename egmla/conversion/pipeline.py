@@ -34,6 +34,7 @@ from .calibration import FITTED_CONTEXT
 from .convert import ConversionOptions, build_student
 from .decode_cost import cost_row, egmla_cost, measure_decode, rebuild_warning, source_cost
 from .gate import fit_gate
+from .memory import memory_warning
 from .plan import plan_conversion
 from .reconstruction import ReconstructionSettings, reconstruct_layers
 from .report import print_report, write_finetune_card, write_model_card
@@ -389,6 +390,9 @@ def run_conversion(job: ConversionJob) -> dict:
     with times.stage("load"):
         teacher, tokenizer = load_llama(job.source, job.placement), load_tokenizer(job.source)
         text = prepare_text(teacher, tokenizer, job.text)
+    shortage = memory_warning(teacher, job.finetune)  # said before the long stages, not when memory runs out
+    if shortage:
+        print(shortage)
     calibration = text.fit[: job.text.calibration_blocks]
     plan, _ = plan_conversion(teacher, job.options, calibration, times)
     student = build_student(teacher, plan)
