@@ -151,7 +151,7 @@ def test_a_conversion_that_will_not_fit_in_memory_is_warned_before_it_runs(monke
     from egmla.training import FinetuneSettings
 
     teacher = tiny_llama()
-    source_bytes = sum(p.numel() * p.element_size() for p in teacher.parameters())
+    source_bytes = teacher.get_memory_footprint(return_buffers=False)
     monkeypatch.setattr(memory, "get_max_memory", lambda: {"cpu": 2 * source_bytes})
     full = memory.memory_warning(teacher, FinetuneSettings())
     assert full and f"{4 * source_bytes / 1e9:.1f} GB more on cpu" in full and "--dtype bfloat16" in full

@@ -5,6 +5,7 @@ then runs out of memory."""
 
 import torch
 from accelerate.utils import get_max_memory
+from transformers import PreTrainedModel
 
 from ..training import FinetuneSettings
 
@@ -20,10 +21,10 @@ def free_memory(device: torch.device) -> int | None:
     return memory.get(key)
 
 
-def memory_warning(teacher: torch.nn.Module, finetune: FinetuneSettings | None) -> str | None:
+def memory_warning(teacher: PreTrainedModel, finetune: FinetuneSettings | None) -> str | None:
     """A warning when the student and its recovery's training state will not fit in what is free on the source's
     device (the source already loaded there); None when they will or when the free memory is unknown."""
-    source_bytes = sum(parameter.numel() * parameter.element_size() for parameter in teacher.parameters())
+    source_bytes = teacher.get_memory_footprint(return_buffers=False)
     trains_all = finetune is not None and not finetune.lora
     needed = source_bytes * (FULL_TRAINING_COPIES if trains_all else STUDENT_COPIES)
     free = free_memory(teacher.device)
