@@ -45,9 +45,10 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
                 f"{len(fitted)} of {len(gate)} tables; attention error on calibration {kept / identity - 1:+.1%}",
             )
         )
+    scored = "whole documents" + (", bf16 autocast" if report.get("scoring_autocast") else "")
     for name, value in report.get("perplexity", {}).items():
         if value is not None:
-            rows.append((f"held-out perplexity, {name}", f"{value:.3f} (whole documents)"))
+            rows.append((f"held-out perplexity, {name}", f"{value:.3f} ({scored})"))
     source_ppl = report.get("perplexity", {}).get("source")
     for name in ("zero-shot", "layer-wise", "fine-tuned"):
         value = report.get("perplexity", {}).get(name)

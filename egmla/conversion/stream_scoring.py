@@ -19,20 +19,27 @@ class DocumentStreams:
     source: list[torch.Tensor]
     student: list[torch.Tensor]
     context: int  # the source's: the position buckets' last edge
+    bf16: bool = False  # scored under bfloat16 autocast, as `TextData.bf16_scoring`
+
+    def autocast(self, device: torch.device) -> torch.autocast:
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
 
-def document_streams(documents: list[torch.Tensor], embeddings: torch.Tensor, context: int) -> DocumentStreams:
+def document_streams(
+    documents: list[torch.Tensor], embeddings: torch.Tensor, context: int, bf16: bool = False
+) -> DocumentStreams:
     """The documents' embeddings [B, T, D] (in `embeddings`' dtype), a copy for each model."""
     batches = document_batches(documents)
     source = [torch.nn.functional.embedding(ids, embeddings) for ids, _ in batches]
-    return DocumentStreams(batches, source, [hidden.clone() for hidden in source], context)
+    return DocumentStreams(batches, source, [hidden.clone() for hidden in source], context, bf16)
 
 
 def advance_documents(streams: DocumentStreams, source_layer, source_rotary, student, student_rotary) -> None:
     """Both streams past one layer: the source's (causal over each right-padded batch, as exact on the real tokens
     as a padding mask) and the student's."""
-    streams.source = [run_layer(source_layer, hidden, source_rotary, record=False)[1] for hidden in streams.source]
-    streams.student = [student_layer_output(student, hidden, student_rotary) for hidden in streams.student]
+    with streams.autocast(source_layer.input_layernorm.weight.device):
+        streams.source = [run_layer(source_layer, hidden, source_rotary, record=False)[1] for hidden in streams.source]
+        streams.student = [student_layer_output(student, hidden, student_rotary) for hidden in streams.student]
 
 
 @torch.no_grad()
@@ -42,9 +49,10 @@ def document_scores(streams: DocumentStreams, norm: torch.nn.Module, head: torch
     for name, hiddens in (("source", streams.source), (student_name, streams.student)):
         losses = DocumentLosses(position_buckets(streams.context))
         for hidden, (ids, mask) in zip(hiddens, streams.batches, strict=True):
-            add_document_losses(
-                losses, hidden, ids, mask, lambda rows: torch.nn.functional.linear(norm(rows.to(head.device)), head)
-            )
+            with streams.autocast(head.device):
+                add_document_losses(
+                    losses, hidden, ids, mask, lambda rows: torch.nn.functional.linear(norm(rows.to(head.device)), head)
+                )
         scores[name] = losses.result()
     return {
         "perplexity": {name: score["perplexity"] for name, score in scores.items()},

@@ -25,6 +25,7 @@ from ..hub import public_name, source_metadata
 from ..modeling_egmla import EGMLAForCausalLM
 from ..outputs import atomic_folder, check_output_folder
 from ..text import document_ids, token_blocks
+from ..training import uses_bf16
 from .calibration import source_layer_pass
 from .convert import Budget, ConversionOptions, ConversionPlan, factorize_layer, resolve_budget
 from .layer_stream import (
@@ -134,7 +135,9 @@ def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path
     embeddings = files.read("model.embed_tokens.")["weight"].to(placement.torch_dtype)
     hidden = None if statistics_folder else torch.nn.functional.embedding(text.blocks, embeddings)
     fitting = fitting_streams(text.blocks, embeddings, job, context)
-    written = LayersWritten(documents=document_streams(text.documents, embeddings, context) if text.documents else None)
+    bf16 = uses_bf16(job.text.scoring_mixed_precision, placement.torch_device(), shell.config.hidden_size)
+    documents = document_streams(text.documents, embeddings, context, bf16) if text.documents else None
+    written = LayersWritten(documents=documents)
     inv_freq = shell.model.rotary_emb.inv_freq.float().cpu()
     plan = ConversionPlan(options, budget, [], [], [])  # the shape; the splits and factors come layer by layer
     for layer_idx in tqdm(range(shell.config.num_hidden_layers), desc="streaming layers", unit="layer", leave=False):
@@ -206,6 +209,7 @@ def run_streaming_conversion(job) -> dict:
             "streamed": True,
             "reconstruction": {**dataclasses.asdict(job.reconstruction), "layers": written.rows},
             **({"eval_text": eval_source, "eval_documents": len(documents), "saved_stage": stage} if scores else {}),
+            "scoring_autocast": "bf16" if written.documents is not None and written.documents.bf16 else None,
             **scores,
             "seconds": round(time.time() - started, 1),
             "stage_seconds": times.seconds,
