@@ -25,7 +25,7 @@ from egmla.conversion.factorization import allocate_ranks, factorize, output_wei
 from egmla.conversion.pipeline import StageSelection, TextSettings
 from egmla.conversion.reconstruction import ReconstructionSettings
 from egmla.conversion.rope import rotation_variance
-from egmla.text import perplexity, read_documents, split_documents, token_blocks
+from egmla.text import mean_loss, perplexity, read_documents, split_documents, token_blocks
 from tests.utils import (
     STORIES260K,
     TINYSTORIES,
@@ -676,6 +676,15 @@ def test_a_stage_that_raises_the_held_aside_loss_is_not_kept():
     unjudged = StageSelection(blocks[:0])
     assert unjudged.consider("zero-shot", model) and unjudged.consider("fine-tuned", QuadraticLoss(5.0))
     assert unjudged.saved_stage == "fine-tuned" and unjudged.rows[-1]["selection_loss"] is None
+
+
+def test_the_stages_are_judged_under_bf16_autocast_when_the_scoring_is():
+    model, blocks = tiny_llama(), torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    stages = StageSelection(blocks, bf16=True)
+    stages.consider("zero-shot", model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = mean_loss(model, blocks)
+    assert stages.rows[0]["selection_loss"] == expected != mean_loss(model, blocks)
 
 
 @pytest.mark.parametrize("gate_embedding_dim", [0, 8])

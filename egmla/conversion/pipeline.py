@@ -265,12 +265,15 @@ class StageSelection:
     blocks (a text of fewer than 8 blocks) every stage is kept, and the report says so."""
 
     blocks: torch.Tensor
+    bf16: bool = False  # the losses under bfloat16 autocast, as the held-out scoring (`TextData.bf16_scoring`)
     rows: list[dict] = field(default_factory=list)
     best_loss: float = math.inf
     best_state: dict | None = None
 
     def consider(self, stage: str, model: torch.nn.Module) -> bool:
-        loss = mean_loss(model, self.blocks) if len(self.blocks) else None
+        device = next(model.parameters()).device
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            loss = mean_loss(model, self.blocks) if len(self.blocks) else None
         if loss is not None and not math.isfinite(loss):
             loss = math.inf
         kept = loss is None or self.best_state is None or loss < self.best_loss
@@ -374,7 +377,7 @@ def fit_stages(
     loss on the blocks held aside; with `job.score_stages`, each stage's held-out scores are added to `scores`."""
     if job.score_stages:
         add_scores(scores, score_documents({"zero-shot": student}, text))
-    stages = StageSelection(text.selection)
+    stages = StageSelection(text.selection, text.bf16_scoring)
     stages.consider("zero-shot", student)
     with times.stage("layer-wise fit"):
         layers = reconstruct_layers(
@@ -530,7 +533,7 @@ def run_finetune(job: FinetuneJob) -> dict:
     teacher, tokenizer = load_llama(job.teacher, job.placement), load_tokenizer(job.teacher)
     text = prepare_text(teacher, tokenizer, job.text)
     scores = score_documents({"before": student}, text)
-    stages = StageSelection(text.selection)
+    stages = StageSelection(text.selection, text.bf16_scoring)
     stages.consider("before", student)
     settings = recovery_settings(job.settings, text)
     result = finetune(student, teacher, text.recovery, settings, text.held_out)
