@@ -1,7 +1,8 @@
 """Held-out scoring of whole documents, as a conversion's report scores them: the model's logits for a whole batch
-(`model(...).logits`, the way egmla scored until now) against egmla's `document_perplexity` (the decoder's last
-hidden states, the head applied a document at a time over its own tokens). Seconds interleaved in one process
-(medians), the perplexities of both, and the peak resident memory of each in a process of its own.
+(`model(...).logits`) against egmla's `document_perplexity` (the decoder's last hidden states, the head applied a
+document at a time over its own tokens), in float32 and under bfloat16 autocast (what a conversion's report uses
+where the device computes bfloat16 natively and the model is 512 wide or more). Seconds interleaved in one process
+(medians), the perplexity of each, and the peak resident memory of each in a process of its own.
 
     python benchmarks/document_scoring.py SOURCE --text T          # SOURCE: a Llama folder or GGUF
     python benchmarks/document_scoring.py runs/llama-1b --text T --documents 20 --repetitions 1
@@ -38,9 +39,15 @@ def whole_batch_logits(model: torch.nn.Module, documents: list[torch.Tensor], ed
     return losses.result()
 
 
+def under_bf16_autocast(model: torch.nn.Module, documents: list[torch.Tensor], edges: list[int]) -> dict:
+    with torch.autocast(model.device.type, dtype=torch.bfloat16):
+        return document_perplexity(model, documents, edges)
+
+
 SCORERS = {
     "whole-batch logits": whole_batch_logits,
     "document_perplexity (egmla)": document_perplexity,
+    "document_perplexity, bf16 autocast": under_bf16_autocast,
 }
 
 
@@ -85,7 +92,7 @@ def main() -> None:
     for name in SCORERS:
         median = statistics.median(seconds[name])
         print(
-            f"  {name:28s} {median:7.1f} s ({median / baseline:.2f}x)  perplexity {results[name]['perplexity']:.4f}"
+            f"  {name:34s} {median:7.1f} s ({median / baseline:.2f}x)  perplexity {results[name]['perplexity']:.4f}"
             f"  peak RSS {peak_rss_of(args, name):.2f} GB"
         )
 
