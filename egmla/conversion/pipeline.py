@@ -116,7 +116,7 @@ class TextSettings:
     sample_temperature: float = option(1.0, "temperature of the text sampled from the source when no text is given")
     eval_blocks: int = option(64, "held-out blocks scored during fine-tuning")
     eval_documents: int = option(100, "held-out documents scored whole (up to the source's context) for the report")
-    # bf16 scores SmolLM2's 100 documents in 0.55x the time, its perplexity 0.05% off float32's (docs/results.md).
+    # bf16 scores SmolLM2's 100 documents in 0.58x the time, its perplexity 0.05% off float32's (docs/results.md).
     scoring_mixed_precision: str = option(
         "auto",
         "the held-out documents scored under bfloat16 autocast (auto: where the device computes bfloat16 natively "
