@@ -365,7 +365,7 @@ def test_cli_flags_are_the_field_names_and_the_old_spellings_still_parse():
     parse = build_parser().parse_args
     new = parse(["convert", "SRC", "--out", "OUT", "--kv-cut", "0.5", "--gate-embedding-dim", "8", "--train-text", "T"])
     old = parse(
-        ["convert", "SRC", "OUT", "--kv-cut", "0.5", "--gate-dim", "8", "--calib-text", "T", "--calib-blocks", "64"]
+        ["convert", "SRC", "OUT", "--kv-cut", "0.5", "--gate-dim", "8", "--calib-text", "T", "--calib-blocks", "32"]
     )
     assert conversion_options(new) == conversion_options(old) == ConversionOptions(kv_cut=0.5, gate_embedding_dim=8)
     assert from_args(TextSettings, new) == from_args(TextSettings, old) == TextSettings(train_text=Path("T"))
