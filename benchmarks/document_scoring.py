@@ -28,6 +28,7 @@ from egmla.text import (
     document_perplexity,
     position_buckets,
 )
+from egmla.training import bf16_autocast
 
 
 @torch.no_grad()
@@ -40,7 +41,7 @@ def whole_batch_logits(model: torch.nn.Module, documents: list[torch.Tensor], ed
 
 
 def under_bf16_autocast(model: torch.nn.Module, documents: list[torch.Tensor], edges: list[int]) -> dict:
-    with torch.autocast(model.device.type, dtype=torch.bfloat16):
+    with bf16_autocast(model.device, True):
         return document_perplexity(model, documents, edges)
 
 

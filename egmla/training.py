@@ -241,10 +241,14 @@ def uses_bf16(mixed_precision: str, device: torch.device, hidden_size: int) -> b
     return hidden_size >= BF16_MIN_HIDDEN_SIZE and native_bf16(device)
 
 
+def bf16_autocast(device: torch.device, enabled: bool) -> torch.autocast:
+    """bfloat16 autocast on `device` where `enabled`, else a disabled one (a fitting's or a scoring's passes)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
 def fitting_autocast(mixed_precision: str, device: torch.device, hidden_size: int) -> torch.autocast:
     """The autocast a fitting's forward passes run under: bfloat16 where `uses_bf16` says so, else disabled."""
-    enabled = uses_bf16(mixed_precision, device, hidden_size)
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+    return bf16_autocast(device, uses_bf16(mixed_precision, device, hidden_size))
 
 
 def prepare_run(student: EGMLAForCausalLM, settings: FinetuneSettings) -> Run:

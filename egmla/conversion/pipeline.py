@@ -29,7 +29,7 @@ from ..text import (
     split_documents,
     token_blocks,
 )
-from ..training import MIXED_PRECISIONS, FinetuneSettings, finetune, settings_summary, uses_bf16
+from ..training import MIXED_PRECISIONS, FinetuneSettings, bf16_autocast, finetune, settings_summary, uses_bf16
 from .calibration import FITTED_CONTEXT
 from .convert import ConversionOptions, build_student
 from .decode_cost import cost_row, egmla_cost, measure_decode, rebuild_warning, source_cost
@@ -145,9 +145,6 @@ class TextData:
     description: dict = field(default_factory=dict)
     bf16_scoring: bool = False  # the documents scored under bfloat16 autocast
 
-    def scoring_autocast(self, model: torch.nn.Module) -> torch.autocast:
-        return torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=self.bf16_scoring)
-
 
 def read_calibration_text(path: Path, holds_out: bool) -> list[str]:
     """The documents of a calibration text, refused by name when there is nothing to fit (or to hold out)."""
@@ -255,7 +252,7 @@ def score_documents(models: dict[str, torch.nn.Module], text: TextData) -> dict:
     edges = position_buckets(text.description["eval_context"])
     scores = {}
     for name, model in models.items():
-        with text.scoring_autocast(model):
+        with bf16_autocast(model.device, text.bf16_scoring):
             scores[name] = document_perplexity(model, text.documents, edges, progress=True)
     return {
         "perplexity": {name: score["perplexity"] for name, score in scores.items()},
@@ -276,8 +273,7 @@ class StageSelection:
     best_state: dict | None = None
 
     def consider(self, stage: str, model: torch.nn.Module) -> bool:
-        device = next(model.parameters()).device
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+        with bf16_autocast(next(model.parameters()).device, self.bf16):
             loss = mean_loss(model, self.blocks) if len(self.blocks) else None
         if loss is not None and not math.isfinite(loss):
             loss = math.inf

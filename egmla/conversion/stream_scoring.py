@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..text import DocumentLosses, add_document_losses, document_batches, position_buckets
+from ..training import bf16_autocast
 from .layer_stream import run_layer, student_layer_output
 
 
@@ -21,9 +22,6 @@ class DocumentStreams:
     context: int  # the source's: the position buckets' last edge
     bf16: bool = False  # scored under bfloat16 autocast, as `TextData.bf16_scoring`
 
-    def autocast(self, device: torch.device) -> torch.autocast:
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16)
-
 
 def document_streams(
     documents: list[torch.Tensor], embeddings: torch.Tensor, context: int, bf16: bool = False
@@ -37,7 +35,7 @@ def document_streams(
 def advance_documents(streams: DocumentStreams, source_layer, source_rotary, student, student_rotary) -> None:
     """Both streams past one layer: the source's (causal over each right-padded batch, as exact on the real tokens
     as a padding mask) and the student's."""
-    with streams.autocast(source_layer.input_layernorm.weight.device):
+    with bf16_autocast(source_layer.input_layernorm.weight.device, streams.bf16):
         streams.source = [run_layer(source_layer, hidden, source_rotary, record=False)[1] for hidden in streams.source]
         streams.student = [student_layer_output(student, hidden, student_rotary) for hidden in streams.student]
 
@@ -49,7 +47,7 @@ def document_scores(streams: DocumentStreams, norm: torch.nn.Module, head: torch
     for name, hiddens in (("source", streams.source), (student_name, streams.student)):
         losses = DocumentLosses(position_buckets(streams.context))
         for hidden, (ids, mask) in zip(hiddens, streams.batches, strict=True):
-            with streams.autocast(head.device):
+            with bf16_autocast(head.device, streams.bf16):
                 add_document_losses(
                     losses, hidden, ids, mask, lambda rows: torch.nn.functional.linear(norm(rows.to(head.device)), head)
                 )
