@@ -69,7 +69,7 @@ def peak_rss_of(args: argparse.Namespace, scorer: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source")
-    parser.add_argument("--text", required=True, help="the fitting text; its last 10% of documents are scored")
+    parser.add_argument("--text", required=True, help="the fitting text; its last 10%% of documents are scored")
     parser.add_argument("--documents", type=int, default=100)
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--only", choices=SCORERS, help=argparse.SUPPRESS)  # the child process of peak_rss_of
