@@ -563,6 +563,33 @@ def test_layer_wise_reconstruction_lowers_the_block_errors_it_fits(fit_gate, mix
         ReconstructionSettings(mixed_precision="fp16")
 
 
+def test_the_layer_wise_fit_attends_eagerly_on_a_cpu_as_sdpa_does_and_the_model_keeps_its_attention():
+    from egmla.conversion.reconstruction import (
+        ReconstructionSettings,
+        fitting_attention,
+        reconstruct_layers,
+        student_attention,
+        student_block,
+    )
+
+    teacher = tiny_llama()
+    blocks = torch.randint(3, 96, (8, 32), generator=torch.Generator().manual_seed(0))
+    student = convert_llama_to_egmla(teacher, ConversionOptions(kv_lora_rank=12, gate_embedding_dim=8), blocks)
+    assert student.config._attn_implementation == "sdpa"
+    block, hidden = student_block(student, 1), student.model.embed_tokens(blocks).detach()
+    rotary = student.model.rotary_emb(hidden, torch.arange(blocks.shape[1])[None])
+    with torch.no_grad():
+        sdpa = student_attention(block, hidden, blocks, rotary)
+        with fitting_attention(student.config, hidden.device):
+            assert student.config._attn_implementation == "eager"
+            eager = student_attention(block, hidden, blocks, rotary)  # causal as SDPA is: equal outputs
+        with fitting_attention(student.config, torch.device("meta")):  # an accelerator keeps the model's
+            assert student.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(eager, sdpa, rtol=1e-5, atol=1e-5)
+    reconstruct_layers(student, teacher, blocks, ReconstructionSettings(steps=2))
+    assert student.config._attn_implementation == "sdpa"
+
+
 @pytest.mark.parametrize("rope_split", ["exact", "shared"])
 def test_the_fitted_gate_lowers_the_errors_it_fits_and_leaves_unseen_tokens_at_the_identity(rope_split):
     import copy

@@ -8,6 +8,7 @@ when the gate is on); the rest stays the source's. A block whose fit does not lo
 closed-form weights.
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -92,8 +93,13 @@ def student_attention(block: StudentBlock, hidden: torch.Tensor, token_ids, rota
     gate_rows = None
     if block.table is not None:
         (gate_rows,) = look_up_gate_rows(torch.nn.ModuleList([block.table]), token_ids)
-    attention, _ = block.layer.self_attn(block.layer.input_layernorm(hidden), rotary, None, gate_rows=gate_rows)
-    return hidden + attention
+    attention = block.layer.self_attn
+    mask = None  # SDPA: causal by itself
+    if attention.config._attn_implementation == "eager":  # (`fitting_attention`) adds the mask it is given, if any
+        length = hidden.shape[1]
+        mask = torch.full((length, length), torch.finfo(torch.float32).min, device=hidden.device).triu(1)
+    output, _ = attention(block.layer.input_layernorm(hidden), rotary, mask, gate_rows=gate_rows)
+    return hidden + output
 
 
 def block_parameters(block: StudentBlock, fit_gate: bool) -> list[torch.nn.Parameter]:
@@ -114,6 +120,30 @@ def block_error(output: torch.Tensor, streams: LayerStreams, rows=slice(None)) -
     return (output - target).pow(2).sum() / (target - streams.teacher_in[rows]).pow(2).sum().clamp(min=1e-30)
 
 
+@contextlib.contextmanager
+def fitting_attention(config, device: torch.device):
+    """The student's attention implementation while a layer is fitted: eager on a CPU, where SDPA's fused kernel
+    takes longer over its short blocks (a SmolLM2 layer's step of 512 tokens under bf16: 31 ms against 36), the
+    model's own elsewhere. The model keeps its implementation afterwards."""
+    if device.type != "cpu":
+        yield
+        return
+    kept = config._attn_implementation
+    config._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        config._attn_implementation = kept
+
+
+def layer_autocast(block: StudentBlock, settings: ReconstructionSettings, device: torch.device) -> torch.autocast:
+    """The autocast of a layer's fit: its steps and its passes over all the calibration blocks (the source's layer,
+    the student's before and after, the stream into the next layer) run under it; the errors are summed in fp32.
+    Entered anew for each pass: within one autocast region, the bf16 copies of the weights are cast once and kept,
+    so a step's update would not reach the next step's forward."""
+    return fitting_autocast(settings.mixed_precision, device, block.layer.self_attn.config.hidden_size)
+
+
 class LayerFit(NamedTuple):
     """One layer's fit: its report row and the student's stream after the kept block's attention [N, S, D]."""
 
@@ -123,13 +153,21 @@ class LayerFit(NamedTuple):
 
 def fit_layer(block: StudentBlock, streams: LayerStreams, blocks, rotary, settings: ReconstructionSettings) -> LayerFit:
     """Adam with cosine decay on one block; its error on all calibration blocks before and after."""
+    with fitting_attention(block.layer.self_attn.config, streams.student_in.device):
+        return fit_block(block, streams, blocks, rotary, settings)
+
+
+def fit_block(block: StudentBlock, streams: LayerStreams, blocks, rotary, settings: ReconstructionSettings) -> LayerFit:
+    """`fit_layer`'s steps, under its attention implementation."""
     layer_idx, parameters = block.layer.self_attn.layer_idx, block_parameters(block, settings.fit_gate)
     start = [parameter.detach().clone() for parameter in parameters]
+    device = streams.student_in.device
 
     @torch.no_grad()
     def attended_and_error() -> tuple[torch.Tensor, float]:
-        attended = student_attention(block, streams.student_in, blocks, rotary)
-        return attended, block_error(attended, streams).item()
+        with layer_autocast(block, settings, device):
+            attended = student_attention(block, streams.student_in, blocks, rotary)
+        return attended, block_error(attended.float(), streams).item()
 
     closed_form, before = attended_and_error()
     optimizer = torch.optim.Adam(parameters, lr=settings.learning_rate)
@@ -139,12 +177,9 @@ def fit_layer(block: StudentBlock, streams: LayerStreams, blocks, rotary, settin
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + layer_idx)
     for parameter in parameters:
         parameter.requires_grad_(True)
-    # Only the steps: the errors that decide whether a fit is kept are computed in full precision.
-    hidden_size = block.layer.self_attn.config.hidden_size
-    autocast = fitting_autocast(settings.mixed_precision, streams.student_in.device, hidden_size)
     for _ in range(settings.steps):
         rows = torch.randint(0, len(blocks), (settings.batch_size,), generator=generator)
-        with autocast:
+        with layer_autocast(block, settings, device):
             output = student_attention(block, streams.student_in[rows], blocks[rows], rotary)
         loss = block_error(output.float(), streams, rows)
         optimizer.zero_grad()
@@ -182,17 +217,18 @@ def reconstruct_layers(
     with torch.no_grad():
         student_in = student.model.embed_tokens(blocks)
         rotary = student.model.rotary_emb(student_in, torch.arange(blocks.shape[1])[None])
-    rows = []
+    rows, sources = [], source_layers(teacher, blocks)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
-        layers = tqdm(source_layers(teacher, blocks), desc="fitting layers", unit="layer",
-                      total=student.config.num_hidden_layers)  # fmt: skip
-        for layer_idx, source in enumerate(layers):
-            streams = LayerStreams(student_in, source.hidden, source.hidden + source.attention)
+        for layer_idx in tqdm(range(student.config.num_hidden_layers), desc="fitting layers", unit="layer"):
             block = student_block(student, layer_idx)
+            with layer_autocast(block, settings, student_in.device):
+                source = next(sources)
+            streams = LayerStreams(student_in, source.hidden, source.hidden + source.attention)
             fit = fit_layer(block, streams, blocks, rotary, settings)
             rows.append(fit.row)
-            student_in = next_student_stream(block, fit.attended)
+            with layer_autocast(block, settings, student_in.device):
+                student_in = next_student_stream(block, fit.attended)
     for parameter in student.parameters():
         parameter.requires_grad_(True)
     return rows

@@ -39,7 +39,14 @@ from .layer_stream import (
     student_layer_state,
 )
 from .pipeline import fitting_and_held_out, held_out_dataset, layer_wise_inputs, recovery_length, split_train_text
-from .reconstruction import LayerStreams, ReconstructionSettings, StudentBlock, fit_layer, next_student_stream
+from .reconstruction import (
+    LayerStreams,
+    ReconstructionSettings,
+    StudentBlock,
+    fit_layer,
+    layer_autocast,
+    next_student_stream,
+)
 from .report import print_report, write_model_card
 from .source import check_family, check_supported, load_tokenizer
 from .stream_scoring import DocumentStreams, advance_documents, document_scores, document_streams
@@ -100,11 +107,13 @@ def fit_streamed_layer(source, layer_idx: int, state: dict, config, fitting: Fit
     blocks, source_in, student_in = (tensor.to(device) for tensor in (fitting.blocks, fitting.source, fitting.student))
     positions = torch.arange(blocks.shape[1], device=device)[None]
     rotary = student_rotary(student_in, positions)
-    layer, source_out = source_layer_pass(source, source_in, source_rotary(source_in, positions))
-    streams = LayerStreams(student_in, layer.hidden, layer.hidden + layer.attention)
     block = StudentBlock(student, None, False)
+    with layer_autocast(block, fitting.settings, device):
+        layer, source_out = source_layer_pass(source, source_in, source_rotary(source_in, positions))
+    streams = LayerStreams(student_in, layer.hidden, layer.hidden + layer.attention)
     row, attended = fit_layer(block, streams, blocks, rotary, fitting.settings)
-    fitting.student = next_student_stream(block, attended).cpu()
+    with layer_autocast(block, fitting.settings, device):
+        fitting.student = next_student_stream(block, attended).cpu()
     fitting.source = source_out.cpu()
     return {prefix + name: tensor for name, tensor in student.state_dict().items()}, row
 
