@@ -277,16 +277,23 @@ def prepare_run(student: EGMLAForCausalLM, settings: FinetuneSettings) -> Run:
     return Run(accelerator, model, optimizer, scheduler, schedule, trainable, autocast)
 
 
-def budgeted_steps(run: Run, teacher, blocks: torch.Tensor, settings: FinetuneSettings) -> int:
-    """The optimizer steps that fit in `max_minutes`, from the time of one step's forward and backward passes on
-    the first batch, timed after a first untimed pass (which pays for the allocator's warm-up); 85% of the budget,
-    since the optimizer's own update takes time too and the schedule must end before the time guard stops the
-    run. (Gradients of both passes are dropped.)"""
-    step_loss(run, teacher, blocks, settings, step=0, update=False)
-    started = time.time()
-    step_loss(run, teacher, blocks, settings, step=0, update=False)
-    seconds = max(time.time() - started, 1e-3)
-    return max(1, int(0.85 * settings.max_minutes * 60 / seconds))
+# The learning-rate schedule's length while the first steps are timed: long enough that its cosine factor stays ~1
+# (those steps' rates are the warm-up's, which does not depend on the length).
+PROVISIONAL_STEPS = 1_000_000
+
+
+def budgeted_start(run: Run, teacher, blocks: torch.Tensor, settings: FinetuneSettings, history: list[dict]) -> int:
+    """Takes the run's first two steps and returns the optimizer steps that fit in `max_minutes`, from the second's
+    time (the first pays for the allocator's warm-up): steps of the run, not passes thrown away. 92% of what remains
+    after them, since the schedule must end before the time guard stops the run; the fewest of any process."""
+    run.schedule.steps = PROVISIONAL_STEPS
+    seconds = []
+    for step in range(2):
+        began = time.time()
+        history.append({"step": step + 1, "loss": step_loss(run, teacher, blocks, settings, step)})
+        seconds.append(max(time.time() - began, 1e-3))
+    steps = 2 + max(0, int(0.92 * (settings.max_minutes * 60 - sum(seconds)) / seconds[1]))
+    return int(run.accelerator.gather(torch.tensor([steps], device=run.accelerator.device)).min())
 
 
 def step_loss(
@@ -379,12 +386,14 @@ def train_loop(
         teacher = teacher.to(accelerator.device).eval()
     checkpoint = Path(settings.checkpoint_dir) / "last" if settings.checkpoint_dir else None
     start_step, history, saved_steps = resume_state(run, checkpoint, settings)
+    started = time.time()
     if settings.steps is None:  # a resumed run keeps the schedule it started with
-        steps = saved_steps or budgeted_steps(run, teacher, train_blocks, settings)
+        steps = saved_steps
+        if not steps:
+            steps, start_step = budgeted_start(run, teacher, train_blocks, settings, history), 2
         settings = dataclasses.replace(settings, steps=steps)
         run.schedule.steps = steps
         accelerator.print(f"fine-tuning for {steps} steps (what fits in {settings.max_minutes} minutes)")
-    started = time.time()
     stopped_early = False
     bar = tqdm(
         range(start_step, settings.steps),
