@@ -580,10 +580,12 @@ def test_the_layer_wise_fit_attends_eagerly_on_a_cpu_as_sdpa_does_and_the_model_
     rotary = student.model.rotary_emb(hidden, torch.arange(blocks.shape[1])[None])
     with torch.no_grad():
         sdpa = student_attention(block, hidden, blocks, rotary)
-        with fitting_attention(student.config, hidden.device):
+        with fitting_attention(student.config, hidden.device, blocks.shape[1]):
             assert student.config._attn_implementation == "eager"
             eager = student_attention(block, hidden, blocks, rotary)  # causal as SDPA is: equal outputs
-        with fitting_attention(student.config, torch.device("meta")):  # an accelerator keeps the model's
+        with fitting_attention(student.config, torch.device("meta"), blocks.shape[1]):  # an accelerator: the model's
+            assert student.config._attn_implementation == "sdpa"
+        with fitting_attention(student.config, hidden.device, 4096):  # long blocks: SDPA, no [H, S, S] scores
             assert student.config._attn_implementation == "sdpa"
     torch.testing.assert_close(eager, sdpa, rtol=1e-5, atol=1e-5)
     reconstruct_layers(student, teacher, blocks, ReconstructionSettings(steps=2))
