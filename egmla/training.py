@@ -37,7 +37,7 @@ PROGRESS_FILE = "progress.json"
 class FinetuneSettings:
     steps: int | None = option(
         200, "optimizer steps (default for retrofit and convert: what fits in --max-minutes; 0: no recovery)"
-    )  # None: as many as fit in `max_minutes` (timed on the first batch)
+    )  # None: as many as fit in `max_minutes` (timed on the run's second step)
     batch_size: int = option(8, "sequences per optimizer step on each process")
     learning_rate: float = option(1e-3, "peak learning rate (linear warm-up, cosine decay)", flags=("--lr",))
     warmup_steps: int = option(10, "steps of linear warm-up")
@@ -277,8 +277,8 @@ def prepare_run(student: EGMLAForCausalLM, settings: FinetuneSettings) -> Run:
     return Run(accelerator, model, optimizer, scheduler, schedule, trainable, autocast)
 
 
-# The learning-rate schedule's length while the first steps are timed: long enough that its cosine factor stays ~1
-# (those steps' rates are the warm-up's, which does not depend on the length).
+# The learning-rate schedule's length while the first two steps are timed: long enough that its cosine factor stays
+# ~1 (their rates are the warm-up's); the third step's rate is set again once the length is known.
 PROVISIONAL_STEPS = 1_000_000
 
 
@@ -293,7 +293,12 @@ def budgeted_start(run: Run, teacher, blocks: torch.Tensor, settings: FinetuneSe
         history.append({"step": step + 1, "loss": step_loss(run, teacher, blocks, settings, step)})
         seconds.append(max(time.time() - began, 1e-3))
     steps = 2 + max(0, int(0.92 * (settings.max_minutes * 60 - sum(seconds)) / seconds[1]))
-    return int(run.accelerator.gather(torch.tensor([steps], device=run.accelerator.device)).min())
+    steps = int(run.accelerator.gather(torch.tensor([steps], device=run.accelerator.device)).min())
+    run.schedule.steps = steps
+    scheduler = getattr(run.scheduler, "scheduler", run.scheduler)  # accelerate's wrapper holds the LambdaLR
+    for group, base in zip(run.optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["lr"] = base * run.schedule(scheduler.last_epoch)  # it was set from the provisional length
+    return steps
 
 
 def step_loss(
@@ -389,6 +394,11 @@ def train_loop(
     started = time.time()
     if settings.steps is None:  # a resumed run keeps the schedule it started with
         steps = saved_steps
+        if not steps and start_step:
+            raise ValueError(
+                f"The checkpoint in {checkpoint} (step {start_step}) does not say how long its schedule was: resume "
+                "it with --steps N (the run's total)."
+            )
         if not steps:
             steps, start_step = budgeted_start(run, teacher, train_blocks, settings, history), 2
         settings = dataclasses.replace(settings, steps=steps)

@@ -306,3 +306,14 @@ def test_a_run_without_steps_takes_what_fits_in_its_minutes(pair):
     assert [entry["step"] for entry in result.history if "loss" in entry] == list(range(1, result.steps_done + 1))
     with pytest.raises(ValueError, match="steps=None sizes the run to max_minutes"):
         FinetuneSettings(steps=None)
+
+
+def test_the_steps_after_the_timed_two_follow_the_budgeted_schedule(pair):
+    teacher, student, blocks = pair
+    settings = FinetuneSettings(steps=None, max_minutes=0.05, batch_size=4, eval_every=0, warmup_steps=2)
+    run, history = finetune_module.prepare_run(student, settings), []
+    steps = finetune_module.budgeted_start(run, teacher, blocks, settings, history)
+    assert [entry["step"] for entry in history] == [1, 2] and run.schedule.steps == steps >= 2
+    # The third step's rate is the schedule's at its real length, not at the provisional one of the first two.
+    expected = settings.learning_rate * finetune_module.CosineSchedule(2, steps)(2)
+    assert run.optimizer.param_groups[0]["lr"] == pytest.approx(expected)
