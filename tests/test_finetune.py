@@ -308,6 +308,19 @@ def test_a_run_without_steps_takes_what_fits_in_its_minutes(pair):
         FinetuneSettings(steps=None)
 
 
+def test_a_checkpoint_without_its_schedule_length_is_not_budgeted_again(pair, tmp_path):
+    teacher, student, blocks = pair
+    settings = dict(batch_size=4, eval_every=0, save_every=2, checkpoint_dir=tmp_path)
+    finetune(student, teacher, blocks, FinetuneSettings(steps=2, **settings))
+    progress = tmp_path / "last" / finetune_module.PROGRESS_FILE
+    saved = json.loads(progress.read_text())
+    del saved["steps"]  # as an older checkpoint wrote it
+    progress.write_text(json.dumps(saved))
+    budgeted = FinetuneSettings(steps=None, max_minutes=0.05, resume=True, **settings)
+    with pytest.raises(ValueError, match=r"does not say how long its schedule was: resume it with --steps N"):
+        finetune(student, teacher, blocks, budgeted)
+
+
 def test_the_steps_after_the_timed_two_follow_the_budgeted_schedule(pair):
     teacher, student, blocks = pair
     settings = FinetuneSettings(steps=None, max_minutes=0.05, batch_size=4, eval_every=0, warmup_steps=2)

@@ -81,7 +81,7 @@ RETROFIT_DEFAULTS = {
 # `egmla convert` recovers on the calibration text when one is given (`--steps 0` turns it off): a decoupled rope
 # key loses what only training on text gives back, and a few minutes of it are most of the gain. 4 of them keep
 # SmolLM2's conversion with text within 10 minutes on 2 cores (with 250 layer-wise steps and 5 minutes: +8.1%
-# instead of +8.9%, in 11.6 minutes; docs/results.md).
+# instead of +9.3%, in 11.6 minutes; docs/results.md).
 CONVERT_DEFAULTS = {
     "steps": None,
     "batch_size": 4,

@@ -30,8 +30,8 @@ class ReconstructionSettings:
     """The fitting after factorization: the gate's closed form (`gate.py`), then each attention block by Adam
     (`steps=0` turns that stage off)."""
 
-    # One packed block a step. 150 steps, with 4 minutes of recovery, convert SmolLM2 with text in 9.0 minutes at
-    # +8.9% held-out; 250 steps and 5 minutes took 11.6 minutes for +8.1% (docs/results.md).
+    # One packed block a step. 150 steps, with 4 minutes of recovery, convert SmolLM2 with text in 9.1 minutes at
+    # +9.3% held-out; 250 steps and 5 minutes took 11.6 minutes for +8.1% (docs/results.md).
     steps: int = option(150, "Adam steps per layer of the layer-wise fit (0: no layer-wise fit)")
     batch_size: int = option(
         2, "calibration blocks per step of the layer-wise fit (before packing them to the recovery length)"
