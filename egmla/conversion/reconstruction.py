@@ -128,8 +128,8 @@ EAGER_FIT_MAX_LENGTH = 1024
 def fitting_attention(config, device: torch.device, length: int):
     """The student's attention implementation while a layer is fitted on blocks of `length` tokens: eager on a CPU
     for blocks up to EAGER_FIT_MAX_LENGTH, where SDPA's fused kernel is slower (a SmolLM2 layer's fit of 60 steps of
-    512 tokens and its passes over 16 blocks under SDPA: 1.94 s against 2.47 s), the model's own elsewhere. The model keeps its
-    implementation afterwards."""
+    512 tokens and its passes over 16 blocks under SDPA: 1.94 s against 2.47 s), the model's own elsewhere. The
+    model keeps its implementation afterwards."""
     if device.type != "cpu" or length > EAGER_FIT_MAX_LENGTH:
         yield
         return
@@ -171,7 +171,7 @@ def fit_layer(block: StudentBlock, streams: LayerStreams, blocks, rotary, settin
     closed_form, before = attended_and_error()
     # Eager for the steps only: over all N blocks at once, eager would hold [N, H, S, S] scores.
     with fitting_attention(block.layer.self_attn.config, device, blocks.shape[1]):
-        adam_steps(block, streams, blocks, rotary, settings)
+        adam_steps(block, parameters, streams, blocks, rotary, settings)
     attended, after = attended_and_error()
     if after >= before:  # keep the closed-form block
         with torch.no_grad():
@@ -182,9 +182,12 @@ def fit_layer(block: StudentBlock, streams: LayerStreams, blocks, rotary, settin
     return LayerFit(row, attended)
 
 
-def adam_steps(block: StudentBlock, streams: LayerStreams, blocks, rotary, settings: ReconstructionSettings) -> None:
-    """`settings.steps` Adam steps with cosine decay on the block's parameters, a few random blocks a step."""
-    parameters, device = block_parameters(block, settings.fit_gate), streams.student_in.device
+def adam_steps(
+    block: StudentBlock, parameters: list, streams: LayerStreams, blocks, rotary, settings: ReconstructionSettings
+) -> None:
+    """`settings.steps` Adam steps with cosine decay on `parameters` (`block_parameters`), a few random blocks a
+    step."""
+    device = streams.student_in.device
     optimizer = torch.optim.Adam(parameters, lr=settings.learning_rate)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / settings.steps))
