@@ -15,7 +15,14 @@ from pathlib import Path
 
 import torch
 
-from egmla.conversion import ConversionOptions, calibrate, convert_llama_to_egmla, load_llama, load_tokenizer
+from egmla.conversion import (
+    ConversionOptions,
+    attention_shape,
+    calibrate,
+    convert_llama_to_egmla,
+    load_llama,
+    load_tokenizer,
+)
 from egmla.conversion.pipeline import TextSettings, prepare_text
 from egmla.data import smollm2_gguf
 from egmla.text import perplexity
@@ -89,7 +96,8 @@ def main() -> None:
         rows[f"activation-aware, per-KV-head rope keys ({pairs} pairs each)"] = perplexity(per_head, text.held_out)
     if args.pair_selection_too:
         pairs = student.config.qk_rope_head_dim // 2
-        stacked_rows = teacher.config.num_key_value_heads * (student.config.qk_nope_head_dim + teacher.config.head_dim)
+        shape = attention_shape(teacher.config)
+        stacked_rows = shape.key_heads * (student.config.qk_nope_head_dim + shape.head_dim)
         for selection in ("rotation", "norm"):
             exact_latent = convert_llama_to_egmla(
                 teacher,
@@ -103,7 +111,7 @@ def main() -> None:
                 statistics,
             )
             rows[f"full-rank latent, {selection} pair choice"] = perplexity(exact_latent, text.held_out)
-    source_values = 2 * teacher.config.num_key_value_heads * teacher.config.head_dim
+    source_values = attention_shape(teacher.config).key_value_values
     print(
         f"\n{source}: {source_values} -> {values:.0f} KV values/token/layer ({args.kv_cut:.2%} cut), "
         f"{args.rope_keys} rope keys of {student.config.qk_rope_head_dim // 2} pairs; "

@@ -2,12 +2,15 @@
 convert exactly at full rank in every rope mode; windows that do not cover the context and QK-norm families are
 refused by name."""
 
+import json
+
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from egmla.conversion import ConversionOptions, convert_llama_to_egmla, load_llama
-from tests.utils import assert_same_model, tiny_source, tiny_values
+from egmla.cli import main
+from egmla.conversion import AttentionShape, ConversionOptions, attention_shape, convert_llama_to_egmla, load_llama
+from tests.utils import SOURCE_FAMILIES, assert_same_model, tiny_source, tiny_values, with_tokenizer
 
 # Full rank per mode on the tiny shape (2 KV heads of 16 dims, 64 wide): every pair in the rope keys, so the latent
 # holds the values (32 rows); "exact": every key and value row (2 x (16 + 16) = 64).
@@ -55,3 +58,50 @@ def test_windows_shorter_than_the_context_and_qk_norm_are_refused_by_name():
     qwen3 = Qwen3ForCausalLM(Qwen3Config(**tiny_values()))
     with pytest.raises(ValueError, match="'qwen3'.*QK-norm.*no low-rank latent rebuilds a normalized key"):
         load_llama(qwen3)
+
+
+def library_default_source(family: str, folder, head_dim: int | None, vocab_size: int = 96):
+    """A tiny random source of `family` saved by transformers from a config given only its sizes, every other field
+    at the library's default (`head_dim` too, unless given): Qwen2's config then writes no `head_dim` at all. A
+    Mistral's default window (4,096 of 131,072 positions) would be refused, so it has none, as Mistral v0.2+."""
+    config_class, model_class = SOURCE_FAMILIES[family]
+    sizes = {key: tiny_values()[key] for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                 "num_attention_heads", "num_key_value_heads")}  # fmt: skip
+    sizes.update({"vocab_size": vocab_size}, **({"head_dim": head_dim} if head_dim else {}))
+    sizes.update({"sliding_window": None} if family == "mistral" else {})
+    torch.manual_seed(0)
+    model_class(config_class(**sizes)).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("head_dim", [None, 16], ids=["library-head-dim", "explicit-head-dim"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_a_source_saved_with_its_librarys_defaults_converts_exactly_at_full_rank(family, head_dim, tmp_path):
+    folder = library_default_source(family, tmp_path / family, head_dim)
+    saved = json.loads((folder / "config.json").read_text())
+    if family == "qwen2" and head_dim is None:
+        assert "head_dim" not in saved  # what Qwen2 and Qwen2.5 checkpoints look like
+    shape = attention_shape(load_llama(folder).config)
+    assert shape == AttentionShape(head_dim=head_dim or 64 // 8, query_heads=8, key_heads=2)
+    calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
+    for rope_split in ("shared", "exact"):  # the latent holds every value row, or every key and value row
+        exact = rope_split == "exact"
+        rank = shape.key_value_values if exact else shape.key_value_values // 2
+        pairs = None if exact else rank // 2  # a shared rope key of every pair of every key head
+        options = ConversionOptions(kv_lora_rank=rank, rope_pairs=pairs, rope_split=rope_split, gate_embedding_dim=8)
+        student = convert_llama_to_egmla(folder, options, calibration)
+        input_ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            assert_same_model(student, load_llama(folder), input_ids)
+
+
+def test_egmla_convert_takes_a_qwen2_folder_without_head_dim(tmp_path):
+    """The command with its default split search (which reads the head size for its candidates), calibration and
+    scoring, on a folder as transformers saves a Qwen2."""
+    folder = with_tokenizer(library_default_source("qwen2", tmp_path / "qwen2", None, vocab_size=512))
+    out = tmp_path / "out"
+    main(["convert", str(folder), "--out", str(out), "--kv-cut", "0.5", "--reconstruction-steps", "0", "--steps", "0",
+          "--calibration-blocks", "4", "--block-size", "32", "--eval-documents", "2"])  # fmt: skip
+    converted = AutoModelForCausalLM.from_pretrained(out)
+    assert converted.config.v_head_dim == 8  # hidden_size 64 / 8 heads
+    assert converted.config.kv_cache_values_per_token() / converted.config.num_hidden_layers == 16  # half of 2 x 2 x 8

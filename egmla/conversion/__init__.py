@@ -4,13 +4,15 @@ low-rank factorization, the conversion itself (`convert`), and the jobs behind t
 from .calibration import LayerStatistics, calibrate
 from .convert import Budget, ConversionOptions, ConversionPlan, build_student, kv_lora_rank_for_cut, resolve_budget
 from .plan import convert_llama_to_egmla, plan_conversion
-from .source import load_llama, load_tokenizer
+from .source import AttentionShape, attention_shape, load_llama, load_tokenizer
 
 __all__ = [
+    "AttentionShape",
     "Budget",
     "ConversionOptions",
     "ConversionPlan",
     "LayerStatistics",
+    "attention_shape",
     "build_student",
     "calibrate",
     "convert_llama_to_egmla",

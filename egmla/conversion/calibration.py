@@ -8,6 +8,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
+from .source import attention_shape
+
 
 @dataclass
 class LayerStatistics:
@@ -48,12 +50,12 @@ class StatisticsRecorder:
     """A forward pre-hook on one source layer's `q_proj` that sums what `LayerStatistics` holds of its inputs."""
 
     def __init__(self, attention: torch.nn.Module):
-        config = attention.config
-        self.attention, self.heads, self.key_heads = attention, config.num_attention_heads, config.num_key_value_heads
+        config, shape = attention.config, attention_shape(attention.config)
+        self.attention, self.heads, self.key_heads = attention, shape.query_heads, shape.key_heads
         self.covariance = torch.zeros(config.hidden_size, config.hidden_size, dtype=torch.float64)
         self.sums = torch.zeros(config.hidden_size, dtype=torch.float64)
-        self.query_norms = torch.zeros(self.heads, config.head_dim // 2)
-        self.key_norms = torch.zeros(self.key_heads, config.head_dim // 2)
+        self.query_norms = torch.zeros(self.heads, shape.head_dim // 2)
+        self.key_norms = torch.zeros(self.key_heads, shape.head_dim // 2)
         self.count = 0
 
     def __call__(self, module: torch.nn.Module, args: tuple) -> None:
@@ -111,13 +113,13 @@ def fitted_context(config) -> int:
 def weight_statistics(model: LlamaForCausalLM) -> list[LayerStatistics]:
     """Without calibration data the choices fall back to the weights alone: an identity covariance, pair norms of
     the projection weights, and distances up to the fitted length (the source's context, at most 512)."""
-    config = model.config
+    config, shape = model.config, attention_shape(model.config)
     context_length = fitted_context(config)
     return [
         LayerStatistics(
             covariance=torch.eye(config.hidden_size, dtype=torch.float64),
-            query_pair_norms=pair_norms(layer.self_attn.q_proj.weight.detach().T, config.num_attention_heads),
-            key_pair_norms=pair_norms(layer.self_attn.k_proj.weight.detach().T, config.num_key_value_heads),
+            query_pair_norms=pair_norms(layer.self_attn.q_proj.weight.detach().T, shape.query_heads),
+            key_pair_norms=pair_norms(layer.self_attn.k_proj.weight.detach().T, shape.key_heads),
             context_length=context_length,
             tokens=0,
         )

@@ -26,6 +26,7 @@ from ..options import check_choices, option
 from .calibration import LayerStatistics
 from .factorization import FACTORIZATIONS, RANK_ALLOCATIONS, Factorization, allocate_ranks, factorize, output_weights
 from .rope import PAIR_SELECTIONS, RopeSplit, llama_rope_parameters, split_rope
+from .source import attention_shape
 
 ROPE_SPLITS = ("auto", "exact", "shared", "per_head")
 
@@ -117,7 +118,7 @@ def default_rope_pairs(head_dim: int, rope_split: str) -> int:
 
 def cut_values(source_config, kv_cut: float) -> int:
     """The K/V values per token per layer that a cut of `kv_cut` leaves of the source's."""
-    return round(2 * source_config.num_key_value_heads * source_config.head_dim * (1 - kv_cut))
+    return round(attention_shape(source_config).key_value_values * (1 - kv_cut))
 
 
 def kv_lora_rank_for_cut(source_config, kv_cut: float, rope_values: int) -> int:
@@ -135,7 +136,8 @@ def kv_lora_rank_for_cut(source_config, kv_cut: float, rope_values: int) -> int:
 def resolve_budget(source_config, options: ConversionOptions) -> Budget:
     """Rope key widths and the latent width for this source, refused with the bound when the source cannot hold
     them."""
-    head_dim, key_heads = source_config.head_dim, source_config.num_key_value_heads
+    shape = attention_shape(source_config)
+    head_dim, key_heads = shape.head_dim, shape.key_heads
     if options.rope_mode == "auto":
         raise ValueError("rope_split='auto' is resolved by egmla.conversion.search.choose_split before the budget.")
     exact, per_head = options.rope_split == "exact", options.rope_split == "per_head"
@@ -161,7 +163,7 @@ def resolve_budget(source_config, options: ConversionOptions) -> Budget:
             f"kv_lora_rank {rank} is out of range: the stacked NoPE-key/value projection of this source is "
             f"{stacked_rows} x {source_config.hidden_size}, so the rank must lie in [1, {max_rank}]."
         )
-    return Budget(rope_key_heads, pairs, nope_dim, rank, 2 * key_heads * head_dim, rank + rope_values)
+    return Budget(rope_key_heads, pairs, nope_dim, rank, shape.key_value_values, rank + rope_values)
 
 
 @dataclass(frozen=True)
@@ -197,10 +199,10 @@ def source_rows(attention: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor,
     """The source layer's query [Hq, hd, D'], key [Hkv, hd, D'] and value [Hkv, hd, D'] rows, D' = D + 1 with biases.
     The value bias column is left at zero: attention weights sum to 1, so it passes every head's softmax unchanged
     and the student adds it after the output projection (`o_proj`'s bias) instead of spending the latent on it."""
-    config, biased = attention.config, has_bias(attention)
-    query = projection_rows(attention.q_proj, config.num_attention_heads, biased)
-    key = projection_rows(attention.k_proj, config.num_key_value_heads, biased)
-    value = projection_rows(attention.v_proj, config.num_key_value_heads, biased)
+    shape, biased = attention_shape(attention.config), has_bias(attention)
+    query = projection_rows(attention.q_proj, shape.query_heads, biased)
+    key = projection_rows(attention.k_proj, shape.key_heads, biased)
+    value = projection_rows(attention.v_proj, shape.key_heads, biased)
     if biased:
         value[..., -1] = 0
     return query, key, value
@@ -249,24 +251,26 @@ def student_key_heads(source_config, options: "ConversionOptions") -> int:
     values) once per source KV head; the absorbed MQA never rebuilds, and keeps W^{UKV} per query head, free to part
     in the fitting."""
     rebuilds = options.rope_mode == "exact" or (options.gate_position == "kv" and options.gate_embedding_dim > 0)
-    return source_config.num_key_value_heads if rebuilds else source_config.num_attention_heads
+    shape = attention_shape(source_config)
+    return shape.key_heads if rebuilds else shape.query_heads
 
 
 def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConfig:
     """The EG-MLA config of the converted model: the source's dims, the budget's cache, the gate at the identity."""
     config, options, budget = teacher.config, plan.options, plan.budget
+    shape = attention_shape(config)
     return EGMLAConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
+        num_attention_heads=shape.query_heads,
         num_key_value_heads=student_key_heads(config, options),
         q_lora_rank=None,
         kv_lora_rank=plan.ranks if options.rank_allocation == "energy" else budget.kv_lora_rank,
         qk_nope_head_dim=budget.nope_dim,
         qk_rope_head_dim=2 * budget.rope_pairs,
-        v_head_dim=config.head_dim,
+        v_head_dim=shape.head_dim,
         rope_key_heads=budget.rope_key_heads,
         rope_mode=options.rope_mode,
         gate_embedding_dim=options.gate_embedding_dim,
@@ -278,7 +282,7 @@ def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConf
         rms_norm_eps=config.rms_norm_eps,
         tie_word_embeddings=config.tie_word_embeddings,
         rope_parameters=llama_rope_parameters(teacher),
-        rope_frequency_dim=config.head_dim,
+        rope_frequency_dim=shape.head_dim,
         rope_frequency_indices=None if options.rope_mode == "exact" else [split.frequencies for split in plan.splits],
         attention_dropout=config.attention_dropout,
         attention_bias=has_bias(teacher.model.layers[0].self_attn),
@@ -306,7 +310,8 @@ def layer_attention_state(
     the plan gives the student's shape (its splits and factors may still be empty: streaming goes layer by layer)."""
     split, (down, up) = converted
     source, options, budget = attention.config, plan.options, plan.budget
-    head_dim, key_heads, query_heads = source.head_dim, source.num_key_value_heads, source.num_attention_heads
+    shape = attention_shape(source)
+    head_dim, key_heads, query_heads = shape.head_dim, shape.key_heads, shape.query_heads
     group = query_heads // key_heads
     # The student's softmax scale is 1/sqrt(dn + dr), the source's 1/sqrt(hd): the queries make up the difference.
     query_factor = ((budget.nope_dim + 2 * budget.rope_pairs) / head_dim) ** 0.5
@@ -343,7 +348,8 @@ def output_state(prefix: str, attention: torch.nn.Module, group: int) -> dict[st
     if has_bias(attention):
         value_bias = attention.v_proj.bias
         value_bias = torch.zeros(attention.v_proj.out_features) if value_bias is None else value_bias.detach().cpu()
-        per_query_head = value_bias.view(-1, attention.config.head_dim).repeat_interleave(group, dim=0).flatten()
+        head_dim = attention_shape(attention.config).head_dim
+        per_query_head = value_bias.view(-1, head_dim).repeat_interleave(group, dim=0).flatten()
         bias = output.weight.detach().double().cpu() @ per_query_head.double()
         if output.bias is not None:
             bias = bias + output.bias.detach().double().cpu()

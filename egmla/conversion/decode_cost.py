@@ -16,6 +16,7 @@ import torch
 from ..bench.decode import decode_state, median_ms
 from ..configuration_egmla import EGMLAConfig
 from ..measure import cache_bytes_per_token
+from .source import attention_shape
 
 MEASURED_BATCH = 8  # the cell of the measured ratio: batch 8 at the source's context, at most 2048
 MEASURED_CONTEXT = 2048
@@ -30,8 +31,8 @@ class DecodeCost:
 
 def source_cost(config) -> DecodeCost:
     """A Llama's attention per cached token per layer."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return DecodeCost("source", 2 * config.num_key_value_heads * head_dim, 2 * config.num_attention_heads * head_dim)
+    shape = attention_shape(config)
+    return DecodeCost("source", shape.key_value_values, 2 * shape.query_heads * shape.head_dim)
 
 
 def egmla_cost(config: EGMLAConfig) -> DecodeCost:

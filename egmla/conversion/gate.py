@@ -27,6 +27,7 @@ from transformers import LlamaForCausalLM
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
 from .calibration import SourceLayer, source_layers
 from .convert import ConversionPlan, source_rows, stacked_rows
+from .source import attention_shape
 
 ERROR_BLOCKS = 16  # calibration blocks the attention error is compared on (the least squares uses them all)
 
@@ -101,7 +102,8 @@ def fit_gate(
     config = student.config
     if not config.gate_enabled or config.gate_position != "kv":
         return []
-    group = config.num_key_value_heads // teacher.config.num_key_value_heads
+    source_key_heads = attention_shape(teacher.config).key_heads
+    group = config.num_key_value_heads // source_key_heads
     tokens, index = torch.unique(blocks.flatten(), return_inverse=True)
     counts = torch.bincount(index, minlength=len(tokens))
     pending, rows = [], []
@@ -110,7 +112,7 @@ def fit_gate(
         tqdm(layers, desc="fitting the gate", unit="layer", total=config.num_hidden_layers, leave=False)
     ):
         stacked = stacked_rows(split, source_rows(layer.self_attn)[2])
-        target_rows = stacked.float().view(teacher.config.num_key_value_heads, -1, stacked.shape[1])
+        target_rows = stacked.float().view(source_key_heads, -1, stacked.shape[1])
         target_rows = target_rows.repeat_interleave(group, dim=0).flatten(0, 1)  # per student key head
         attention = student.model.layers[layer_idx].self_attn
         with torch.no_grad():

@@ -15,6 +15,7 @@ from ..text import packed_blocks, perplexity
 from .calibration import LayerStatistics, calibrate
 from .convert import ConversionOptions, build_student, cut_values, plan_layers, student_key_heads
 from .decode_cost import cost_row, egmla_cost, source_cost
+from .source import attention_shape
 
 HELD_OUT_BLOCKS = 8  # at most: a slice of the calibration blocks that the candidates are not fitted on
 LONGEST_SCORED_BLOCK = 512
@@ -26,7 +27,8 @@ ROPE_SHARES = (1 / 8, 1 / 4, 3 / 8)
 def rope_pair_choices(source_config, options: ConversionOptions) -> list[int]:
     """Pairs of the shared rope key to compare: an eighth, a quarter and three eighths of the cut's values per
     token per layer; beside a given latent width, head_dim / 16, / 8 and / 4 pairs."""
-    head_dim, key_heads = source_config.head_dim, source_config.num_key_value_heads
+    shape = attention_shape(source_config)
+    head_dim, key_heads = shape.head_dim, shape.key_heads
     if options.kv_cut is None:
         return sorted({max(1, head_dim // 16), max(1, head_dim // 8), max(1, head_dim // 4)})
     values = cut_values(source_config, options.kv_cut)

@@ -2,6 +2,7 @@
 Hub id or a GGUF file, and its tokenizer."""
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +25,30 @@ ACCEPTED = "Llama, Mistral or Qwen2 (LlamaForCausalLM, MistralForCausalLM, Qwen2
 # Families refused for a reason worth naming: a per-head norm after the key projection is not linear, so no
 # latent rebuilds it, and the query's norm cannot be folded into its weights.
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2", "olmo3", "cohere2")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """A source's attention shape: the size of each head and the number of query and key/value heads."""
+
+    head_dim: int
+    query_heads: int
+    key_heads: int
+
+    @property
+    def key_value_values(self) -> int:
+        """K/V values the source caches per token per layer."""
+        return 2 * self.key_heads * self.head_dim
+
+
+def attention_shape(config) -> AttentionShape:
+    """The attention shape of a Llama, Mistral or Qwen2 config, each field at its family's default where the config
+    leaves it out: Qwen2's config has no `head_dim` (its attention uses hidden_size // num_attention_heads), Mistral's
+    may hold None, and an absent `num_key_value_heads` means one per query head (MHA)."""
+    query_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // query_heads
+    key_heads = getattr(config, "num_key_value_heads", None) or query_heads
+    return AttentionShape(head_dim, query_heads, key_heads)
 
 
 def split_gguf(source: str | Path) -> tuple[str, str | None]:
