@@ -1,5 +1,6 @@
 """Fused decode kernels: Triton (through its CPU interpreter) and the compiled CPU path against the reference."""
 
+import importlib.util
 import logging
 import os
 
@@ -350,11 +351,14 @@ def test_triton_leaves_steps_under_autograd_to_the_reference():
         assert kernels.fused_decode(module, call, mask[:, None], "triton") is not None
 
 
-def test_egmla_fused_is_the_default_when_cuda_and_triton_are_present(monkeypatch):
+def test_the_default_is_the_verified_torch_path_on_cuda_too_and_egmla_fused_is_opt_in(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert EGMLAForCausalLM(tiny_config(FUSED)).config._attn_implementation == "sdpa"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert EGMLAForCausalLM(tiny_config(FUSED)).config._attn_implementation == "egmla_fused"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA machine with Triton installed
+    assert importlib.util.find_spec("triton") is not None
+    assert EGMLAForCausalLM(tiny_config(FUSED)).config._attn_implementation == "sdpa"
+    fused = EGMLAForCausalLM._from_config(tiny_config(FUSED), attn_implementation="egmla_fused")
+    assert fused.config._attn_implementation == "egmla_fused"  # by name
     eager = EGMLAForCausalLM._from_config(tiny_config(FUSED), attn_implementation="eager")
     assert eager.config._attn_implementation == "eager"  # an explicit choice wins
 
