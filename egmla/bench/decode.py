@@ -43,23 +43,26 @@ def column_label(column: str) -> str:
 def filled_cache(model: torch.nn.Module, cache_kind: str, batch_size: int, context: int, seed: int):
     """A cache holding `context` random positions per layer, shaped as the model's own (learned from a 2-token
     forward), with random token ids where the model keeps them."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, min(100, model.config.vocab_size), (batch_size, 2), generator=generator)
-    probe = model(ids.to(model.device), use_cache=True).cache
+    device = model.device  # drawn where the cache lives: an accelerator's caches can exceed the host's memory
+    generator = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(0, min(100, model.config.vocab_size), (batch_size, 2), generator=generator, device=device)
+    probe = model(ids, use_cache=True).cache
     if cache_kind == "static":
         cache = StaticCache(config=model.config, max_cache_len=context + 8)
     else:
         cache = DynamicCache(config=model.config)
     per_token = getattr(cache.layers[0], "append_per_token", None)
     if per_token is not None and probe.layers[0].token_ids is not None:
-        ids = torch.randint(0, model.config.vocab_size, (batch_size, context), generator=generator)
-        per_token("token_ids", ids.to(model.device))
+        ids = torch.randint(0, model.config.vocab_size, (batch_size, context), generator=generator, device=device)
+        per_token("token_ids", ids)
     if per_token is not None and probe.layers[0].positions is not None:  # rebuilt keys turn by their positions
-        per_token("positions", torch.arange(context, device=model.device).expand(batch_size, context))
+        per_token("positions", torch.arange(context, device=device).expand(batch_size, context))
     for layer_idx, layer in enumerate(probe.layers):
-        keys = torch.randn(*layer.keys.shape[:2], context, layer.keys.shape[-1], generator=generator)
-        values = torch.randn(*layer.values.shape[:2], context, layer.values.shape[-1], generator=generator)
-        cache.update(keys.to(layer.keys), values.to(layer.values), layer_idx)  # the model's device and dtype
+        keys, values = (
+            torch.randn(*part.shape[:2], context, part.shape[-1], generator=generator, device=device, dtype=part.dtype)
+            for part in (layer.keys, layer.values)
+        )
+        cache.update(keys, values, layer_idx)
     return cache
 
 

@@ -259,6 +259,8 @@ def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConf
     """The EG-MLA config of the converted model: the source's dims, the budget's cache, the gate at the identity."""
     config, options, budget = teacher.config, plan.options, plan.budget
     shape = attention_shape(config)
+    # A plan without splits (a budget alone: a shape, as the benchmarks build) turns its rope keys on the first pairs.
+    frequencies = [split.frequencies for split in plan.splits] if options.rope_mode != "exact" and plan.splits else None
     return EGMLAConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -283,7 +285,7 @@ def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConf
         tie_word_embeddings=config.tie_word_embeddings,
         rope_parameters=llama_rope_parameters(teacher),
         rope_frequency_dim=shape.head_dim,
-        rope_frequency_indices=None if options.rope_mode == "exact" else [split.frequencies for split in plan.splits],
+        rope_frequency_indices=frequencies,
         attention_dropout=config.attention_dropout,
         attention_bias=has_bias(teacher.model.layers[0].self_attn),
         bos_token_id=config.bos_token_id,
