@@ -47,8 +47,11 @@ def add_fields(
         if kind is bool:  # --name and --no-name: a default of True can be turned off too
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
             continue
-        choices = field.metadata["choices"]
-        parser.add_argument(*flags, type=kind, default=field.default, choices=choices, help=help_text)
+        choices, many = field.metadata["choices"], typing.get_origin(hints[field.name]) is tuple
+        if many:  # tuple[X, ...]: any number of values after the flag, kept as a tuple
+            kind = typing.get_args(hints[field.name])[0]
+        parser.add_argument(*flags, type=kind, default=field.default, choices=choices, help=help_text,
+                            **({"nargs": "*"} if many else {}))  # fmt: skip
 
 
 DTYPES = ("float32", "bfloat16", "float16")

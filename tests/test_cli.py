@@ -114,7 +114,7 @@ def test_retrofit_settings_follow_its_text_unless_given(monkeypatch, flags, expe
     }
     assert {name: settings[name] for name in expected} == expected and finetune.steps is None
     assert finetune.mixed_precision == "auto" and reconstruction.mixed_precision == "auto"
-    assert jobs[0].text.sample_temperature == 0.8  # the data-free text, sampled cooler
+    assert jobs[0].text.sample_temperatures == (0.7, 0.85, 1.0)  # the source's samples cycle through them
 
 
 def test_the_main_job_keeps_its_minutes(monkeypatch):

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from egmla import EGMLACache
 from egmla.cli import main
@@ -29,6 +30,7 @@ from egmla.text import mean_loss, perplexity, read_documents, split_documents, t
 from tests.utils import (
     STORIES260K,
     TINYSTORIES,
+    TOKENIZER,
     assert_same_model,
     folder_digest,
     incremental_logits,
@@ -730,16 +732,36 @@ def test_the_default_conversion_decodes_absorbed_with_the_gate_on_the_latent_or_
     assert egmla_cost(convert_llama_to_egmla(tiny_llama(), exact).config).path == "rebuilt"
 
 
-def test_sampled_text_follows_its_temperature():
-    """Data-free text is sampled at `sample_temperature`: near 0 it is the greedy continuation of the BOS; a
-    temperature of 0 or less is refused by name."""
-    from egmla.conversion.pipeline import TextSettings
-    from egmla.text import sample_blocks
+def test_the_source_sampler_varies_its_prompts_and_temperatures_and_drops_loops():
+    """Data-free text: samples from every prompt (a chat source's requests inside its template too), at each
+    temperature in turn, each ending at the end-of-text token; a sample that loops is dropped; near temperature 0
+    a sample is the greedy continuation of its prompt; temperatures of 0 or less are refused by name."""
+    from egmla.sampling import (
+        OPENINGS,
+        REQUESTS,
+        Sampling,
+        repeated_ngram_share,
+        sample_blocks,
+        sample_documents,
+        source_prompts,
+    )
 
-    teacher, tokenizer = tiny_llama(), SimpleNamespace(bos_token_id=1, eos_token_id=2)
-    cold = sample_blocks(teacher, tokenizer, count=3, block_size=12, temperature=1e-4)
-    greedy = teacher.generate(torch.ones(3, 1, dtype=torch.long), do_sample=False, max_new_tokens=11, min_new_tokens=11)
-    assert torch.equal(cold, greedy)
-    assert not torch.equal(sample_blocks(teacher, tokenizer, count=3, block_size=12, temperature=1.0), greedy)
-    with pytest.raises(ValueError, match="sample_temperature must be positive"):
-        TextSettings(sample_temperature=0.0)
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    teacher = tiny_llama(vocab_size=512)
+    cold = sample_documents(teacher, tokenizer, Sampling(tokens=200, temperatures=(1e-4,), new_tokens=12, batch_size=4))
+    prompt = [tokenizer.bos_token_id] + tokenizer.encode(OPENINGS[0], add_special_tokens=False)
+    greedy = teacher.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)[0]
+    assert torch.equal(cold[0][: len(greedy)], greedy)
+    assert len({tuple(document[:4].tolist()) for document in cold}) > 4  # the openings differ
+    assert repeated_ngram_share([1, 2, 3, 4] * 10) > 0.8 and repeated_ngram_share(list(range(40))) == 0
+    strict = Sampling(tokens=100, new_tokens=24, batch_size=4, max_repetition=0.0)
+    assert all(repeated_ngram_share(document) == 0 for document in sample_documents(teacher, tokenizer, strict))
+    blocks = sample_blocks(teacher, tokenizer, 3, 16, Sampling(tokens=0, new_tokens=12, batch_size=4))
+    assert blocks.shape == (3, 16)
+
+    tokenizer.chat_template = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|assistant|>"
+    prompts = source_prompts(tokenizer)
+    assert len(prompts) == len(OPENINGS) + len(REQUESTS)
+    assert tokenizer.decode(prompts[-1]).endswith(REQUESTS[-1] + "<|assistant|>")
+    with pytest.raises(ValueError, match="temperatures must be positive"):
+        TextSettings(sample_temperatures=(0.5, 0.0))

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -191,6 +192,15 @@ def test_retrofit_end_to_end_on_stories260k(tmp_path):
     assert report["perplexity"]["fine-tuned"] < report["perplexity"]["zero-shot"]
     assert [row["stage"] for row in report["stages"]] == ["zero-shot", "layer-wise", "fine-tuned"]
     assert report["finetune"]["steps_done"] == 5 and report["sample"].startswith("Once upon a time")
+    # Beyond the fitting text: the embedded Wikipedia excerpt and the source's samples held aside, for every model.
+    for model in report["perplexity"]:
+        assert math.isfinite(report["extra_perplexity"][model]["wikipedia_held_out.txt"])
+        agreement = report["source_samples"][model]
+        assert math.isfinite(agreement["perplexity"]) and agreement["kl_to_source"] >= 0
+    assert report["source_samples"]["source"]["kl_to_source"] == 0
+    assert report["source_samples"]["fine-tuned"]["kl_to_source"] > 0
+    assert len(report["samples"]) >= 2 and report["held_aside_samples"] > 0
+    assert all(0 <= row[name]["repeated_4grams"] <= 1 for row in report["samples"] for name in ("source", "converted"))
 
 
 def test_finetune_takes_documents_with_their_tokenizer():

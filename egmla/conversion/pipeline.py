@@ -11,12 +11,13 @@ import torch
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM
 
-from ..data import EXCERPT
+from ..data import EXCERPT, WIKIPEDIA_HELD_OUT
 from ..hub import public_name, source_metadata, text_dataset
 from ..measure import kv_values_per_token
 from ..modeling_egmla import EGMLAForCausalLM
 from ..options import Placement, check_choices, option
 from ..outputs import atomic_folder, check_output_folder
+from ..sampling import OPENINGS, Sampling, repeated_ngram_share, sample_blocks, sample_documents, source_prompts
 from ..text import (
     document_ids,
     document_perplexity,
@@ -25,7 +26,7 @@ from ..text import (
     perplexity,
     position_buckets,
     read_documents,
-    sample_blocks,
+    sample_agreement,
     split_documents,
     token_blocks,
 )
@@ -70,8 +71,6 @@ RETROFIT_DEFAULTS = {
     "kv_cut": 0.6875,
     "sampled_block_size": 128,
     "sampled_blocks": 128,
-    # Sampled cooler, the data-free text is more coherent: the main job measured +48.3% at 0.8 against +57.4% at 1.
-    "sample_temperature": 0.8,
     "steps": None,
     "batch_size": 4,
     "mixed_precision": "auto",
@@ -114,8 +113,23 @@ class TextSettings:
     calibration_blocks: int = option(
         32, "blocks of fitting text used to calibrate and to fit layer by layer", flags=("--calib-blocks",)
     )
-    sampled_blocks: int = option(64, "blocks to sample when no text is given")
-    sample_temperature: float = option(1.0, "temperature of the text sampled from the source when no text is given")
+    sampled_blocks: int = option(64, "blocks sampled from the source: the fitting text when no text is given")
+    sample_temperatures: tuple[float, ...] = option(
+        (0.7, 0.85, 1.0), "temperatures the source's samples cycle through, batch by batch"
+    )
+    source_sample_share: float = option(
+        0.0,
+        "with --train-text, the share of the first fitting blocks (calibration, layer-wise fit, recovery) that are "
+        "--sampled-blocks of the source's own text, interleaved with the user's (0: the user's text alone)",
+    )
+    held_aside_samples: int = option(
+        24, "samples of the source held aside from every stage: the report's perplexity and KL to the source on them"
+    )
+    extra_eval_text: tuple[Path, ...] = option(
+        (WIKIPEDIA_HELD_OUT,),
+        "more held-out texts, each scored whole and named in the report (default: the embedded general English "
+        "excerpt, Wikipedia; give the flag with no file for none)",
+    )
     eval_blocks: int = option(64, "held-out blocks scored during fine-tuning")
     eval_documents: int = option(100, "held-out documents scored whole (up to the source's context) for the report")
     # bf16 scores SmolLM2's 100 documents in 0.58x the time, its perplexity 0.05% off float32's (docs/results.md).
@@ -129,8 +143,12 @@ class TextSettings:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        if self.sample_temperature <= 0:
-            raise ValueError(f"sample_temperature must be positive, got {self.sample_temperature}.")
+        self.sample_temperatures, self.extra_eval_text = tuple(self.sample_temperatures), tuple(self.extra_eval_text)
+        Sampling(tokens=0, temperatures=self.sample_temperatures)  # refuses temperatures that are not positive
+        if not 0 <= self.source_sample_share < 1:
+            raise ValueError(f"source_sample_share must lie in [0, 1), got {self.source_sample_share}.")
+        if self.held_aside_samples < 0:
+            raise ValueError(f"held_aside_samples must be >= 0, got {self.held_aside_samples}.")
 
 
 MAX_RECOVERY_BLOCK = FITTED_CONTEXT  # the default recovery length: longer blocks cost more than their tokens on a CPU
@@ -145,6 +163,8 @@ class TextData:
     held_out: torch.Tensor  # blocks [N, block_size], for the evaluations during fine-tuning
     documents: list[torch.Tensor]  # whole held-out documents up to the source's context, for the report
     description: dict = field(default_factory=dict)
+    extra_documents: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # more held-out texts, by name
+    source_samples: list[torch.Tensor] = field(default_factory=list)  # the source's own, held aside from fitting
     bf16_scoring: bool = False  # the documents scored under bfloat16 autocast
 
 
@@ -184,31 +204,61 @@ def recovery_length(settings: TextSettings, context: int) -> int:
     return settings.recovery_block_size or min(context, MAX_RECOVERY_BLOCK)
 
 
+def sampling(settings: TextSettings, tokens: int, seed_offset: int = 0) -> Sampling:
+    return Sampling(tokens=tokens, temperatures=settings.sample_temperatures, seed=settings.seed + seed_offset)
+
+
+def interleaved(text: torch.Tensor, sampled: torch.Tensor, share: float) -> torch.Tensor:
+    """Blocks of the user's text with the source's samples among the first of them, `share` of every run of blocks
+    until the samples are used up; the rest of the text after."""
+    order, used_text, used_sampled = [], 0, 0
+    while used_sampled < len(sampled) and used_text < len(text):
+        if used_sampled < share * (used_text + used_sampled + 1):
+            order.append(sampled[used_sampled])
+            used_sampled += 1
+        else:
+            order.append(text[used_text])
+            used_text += 1
+    return torch.cat([torch.stack(order), text[used_text:]]) if order else text
+
+
+def fitting_blocks(teacher, tokenizer, settings: TextSettings) -> tuple[torch.Tensor, list[str] | None, str]:
+    """(fitting blocks, the held-out documents of the fitting text or None, what the fitting text is)."""
+    if settings.train_text is None:
+        size, count = settings.sampled_block_size, settings.sampled_blocks
+        fit = sample_blocks(teacher, tokenizer, count, size, sampling(settings, count * size))
+        temperatures = "/".join(f"{t:g}" for t in settings.sample_temperatures)
+        return fit, None, f"{len(fit)} x {size} tokens sampled from the source at {temperatures} (data-free)"
+    documents, held_out, eval_source = fitting_and_held_out(settings)
+    fit, source = token_blocks(tokenizer, documents, settings.block_size), public_name(settings.train_text)
+    if settings.source_sample_share > 0:
+        count, size = settings.sampled_blocks, settings.block_size
+        sampled = sample_blocks(teacher, tokenizer, count, size, sampling(settings, count * size))
+        fit = interleaved(fit, sampled, settings.source_sample_share)
+        source += f", with {len(sampled)} blocks sampled from the source ({settings.source_sample_share:.0%} of the first)"
+    return fit, (held_out, eval_source), source
+
+
 def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
     context = teacher.config.max_position_embeddings
-    if settings.train_text is not None:
-        documents, held_out_documents, eval_source = fitting_and_held_out(settings)
-        fit = token_blocks(tokenizer, documents, settings.block_size)
-        fit_source = public_name(settings.train_text)
-    else:
-        size = settings.sampled_block_size
-        fit = sample_blocks(
-            teacher,
-            tokenizer,
-            settings.sampled_blocks,
-            size,
-            seed=settings.seed,
-            temperature=settings.sample_temperature,
-        )
-        fit_source = (
-            f"{settings.sampled_blocks} x {size} tokens sampled from the source at temperature "
-            f"{settings.sample_temperature} (data-free)"
-        )
+    fit, held_out_part, fit_source = fitting_blocks(teacher, tokenizer, settings)
+    if held_out_part is None:
         eval_path = settings.eval_text or EXCERPT
-        held_out_documents = read_documents(eval_path)
-        eval_source = public_name(eval_path)
+        held_out_documents, eval_source = read_documents(eval_path), public_name(eval_path)
+    else:
+        held_out_documents, eval_source = held_out_part
     held_out = token_blocks(tokenizer, held_out_documents, settings.block_size)[: settings.eval_blocks]
     documents = document_ids(tokenizer, held_out_documents[: settings.eval_documents], context)
+    extra = {
+        public_name(path): document_ids(tokenizer, read_documents(path)[: settings.eval_documents], context)
+        for path in settings.extra_eval_text
+    }
+    samples = []
+    if settings.held_aside_samples:  # another seed than every fitting sample's
+        count, temperatures = settings.held_aside_samples, len(settings.sample_temperatures)
+        aside = sampling(settings, 0, seed_offset=1_000_003)  # a batch per temperature
+        aside = dataclasses.replace(aside, samples=count, batch_size=max(1, -(-count // temperatures)))
+        samples = sample_documents(teacher, tokenizer, aside)
     length = recovery_length(settings, context)
     aside = min(-(-SELECTION_TOKENS // fit.shape[1]), len(fit) // 8)
     fit, selection = fit[: len(fit) - aside], fit[len(fit) - aside :]
@@ -222,10 +272,15 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
         "eval_tokens": sum(len(document) - 1 for document in documents),
         "eval_context": context,
         "selection_blocks": len(selection),
+        "extra_eval_text": {name: len(ids) for name, ids in extra.items()},
+        "held_aside_samples": len(samples),
     }
     bf16_scoring = uses_bf16(settings.scoring_mixed_precision, teacher.device, teacher.config.hidden_size)
     description["scoring_autocast"] = "bf16" if bf16_scoring else None
-    return TextData(fit, recovery, selection, held_out, documents, description, bf16_scoring)
+    return TextData(
+        fit, recovery, selection, held_out, documents, description, extra_documents=extra, source_samples=samples,
+        bf16_scoring=bf16_scoring,
+    )  # fmt: skip
 
 
 def held_out_dataset(settings: TextSettings) -> tuple[str, str]:
@@ -249,17 +304,22 @@ def layer_wise_inputs(
     return blocks, dataclasses.replace(settings, batch_size=max(1, settings.batch_size // packing))
 
 
-def score_documents(models: dict[str, torch.nn.Module], text: TextData) -> dict:
-    """Held-out perplexity of each model over whole documents (the report's figures), overall and per position."""
+def score_documents(models: dict[str, torch.nn.Module], text: TextData, source: torch.nn.Module) -> dict:
+    """Held-out perplexity of each model over whole documents (the report's figures), overall and per position; on
+    every extra held-out text; and on the source's samples held aside, with the KL from the source's predictions."""
     edges = position_buckets(text.description["eval_context"])
-    scores = {}
+    scores = {"perplexity": {}, "perplexity_by_position": {}, "extra_perplexity": {}, "source_samples": {}}
     for name, model in models.items():
         with bf16_autocast(model.device, text.bf16_scoring):
-            scores[name] = document_perplexity(model, text.documents, edges, progress=True)
-    return {
-        "perplexity": {name: score["perplexity"] for name, score in scores.items()},
-        "perplexity_by_position": {name: score["buckets"] for name, score in scores.items()},
-    }
+            score = document_perplexity(model, text.documents, edges, progress=True)
+            scores["perplexity"][name], scores["perplexity_by_position"][name] = score["perplexity"], score["buckets"]
+            scores["extra_perplexity"][name] = {
+                text_name: document_perplexity(model, documents, edges)["perplexity"]
+                for text_name, documents in text.extra_documents.items()
+            }
+            if text.source_samples:
+                scores["source_samples"][name] = sample_agreement(model, source, text.source_samples)
+    return scores
 
 
 @dataclass
@@ -379,7 +439,7 @@ def fit_stages(
     """The layer-wise fit, then the recovery (within the time limit's `deadline`), each kept only if it lowers the
     loss on the blocks held aside; with `job.score_stages`, each stage's held-out scores are added to `scores`."""
     if job.score_stages:
-        add_scores(scores, score_documents({"zero-shot": student}, text))
+        add_scores(scores, score_documents({"zero-shot": student}, text, teacher))
     stages = StageSelection(text.selection, text.bf16_scoring)
     stages.consider("zero-shot", student)
     with times.stage("layer-wise fit"):
@@ -388,7 +448,7 @@ def fit_stages(
         )
     if layers:
         if job.score_stages:
-            add_scores(scores, score_documents({"layer-wise": student}, text))
+            add_scores(scores, score_documents({"layer-wise": student}, text, teacher))
         stages.consider("layer-wise", student)
     settings = recovery_settings(job.finetune, text) if job.finetune is not None else None
     if settings is not None:
@@ -399,7 +459,7 @@ def fit_stages(
     with times.stage("recovery"):
         result = finetune(student, teacher, text.recovery, settings, text.held_out)
     if job.score_stages:
-        add_scores(scores, score_documents({"fine-tuned": result.model}, text))
+        add_scores(scores, score_documents({"fine-tuned": result.model}, text, teacher))
     stages.consider("fine-tuned", result.model)
     return Fitting(result.model, stages, layers, {**result_summary(result), **public_settings(settings)})
 
@@ -427,13 +487,13 @@ def run_conversion(job: ConversionJob) -> dict:
         with times.stage("gate fit"):
             gate = fit_gate(student, teacher, calibration, plan, job.reconstruction.gate_shrinkage)
     with times.stage("scoring"):
-        scores = score_documents({"source": teacher}, text)
+        scores = score_documents({"source": teacher}, text, teacher)
     deadline = recovery_deadline(job, started, scoring_seconds=times.seconds["scoring"])
     fitting = fit_stages(student, teacher, job, text, calibration, scores, deadline, times)
     student, stages, layers, finetune_summary = fitting.student, fitting.stages, fitting.layers, fitting.finetune
     if stages.saved_stage not in scores["perplexity"]:  # the saved model is always scored
         with times.stage("scoring"):
-            add_scores(scores, score_documents({stages.saved_stage: student}, text))
+            add_scores(scores, score_documents({stages.saved_stage: student}, text, teacher))
 
     with times.stage("decode measurement"):
         measured = measure_decode(teacher, student)
@@ -463,7 +523,8 @@ def run_conversion(job: ConversionJob) -> dict:
         "eval_dataset": held_out_dataset(job.text),
     }
     if job.sample_prompt:
-        report["sample"] = greedy_sample(student, tokenizer, job.sample_prompt)
+        report["samples"] = side_by_side({"source": teacher, "converted": student}, tokenizer, job.sample_prompt)
+        report["sample"] = report["samples"][0]["prompt"] + report["samples"][0]["converted"]["text"]
     report["seconds"], report["stage_seconds"] = round(time.time() - started, 1), times.seconds
 
     with atomic_folder(job.out, job.overwrite, inputs) as staging:
@@ -471,8 +532,6 @@ def run_conversion(job: ConversionJob) -> dict:
         tokenizer.save_pretrained(staging)
         write_model_card(staging, report)
     print_report(report)
-    if "sample" in report:
-        print(f"\nsample: {report['sample']!r}")
     print(f"\nsaved {job.out} ({report['seconds']} s)")
     return report
 
@@ -488,12 +547,29 @@ def kv_report(teacher: torch.nn.Module, student: torch.nn.Module, prompt: torch.
     }
 
 
+def comparison_prompts(tokenizer, prompt: str) -> list[list[int]]:
+    """The given prompt, then one of the sampler's requests (a chat source's) and one of its openings."""
+    prompts = source_prompts(tokenizer)
+    request = [prompts[len(OPENINGS)]] if len(prompts) > len(OPENINGS) else []
+    return [tokenizer.encode(prompt), *request, prompts[2]][:3]
+
+
 @torch.no_grad()
-def greedy_sample(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: int = 40) -> str:
-    inputs = tokenizer(prompt, return_tensors="pt")
-    return tokenizer.decode(
-        model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)[0], skip_special_tokens=True
-    )
+def side_by_side(models: dict[str, torch.nn.Module], tokenizer, prompt: str, new_tokens: int = 48) -> list[dict]:
+    """Each model's greedy continuation of the same prompts (the given one; for a chat source, requests in its
+    template too), with the share of repeated 4-grams in what it added: a converted model should not loop where
+    its source does not."""
+    rows = []
+    for ids in comparison_prompts(tokenizer, prompt):
+        row = {"prompt": tokenizer.decode(ids, skip_special_tokens=True)}
+        for name, model in models.items():
+            inputs = torch.tensor([ids], device=model.device)
+            out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
+                                 do_sample=False)[0, len(ids) :]  # fmt: skip
+            text = tokenizer.decode(out, skip_special_tokens=True)
+            row[name] = {"text": text, "repeated_4grams": round(repeated_ngram_share(out), 3)}
+        rows.append(row)
+    return rows
 
 
 def public_settings(settings: FinetuneSettings) -> dict:
@@ -535,12 +611,12 @@ def run_finetune(job: FinetuneJob) -> dict:
     student = AutoModelForCausalLM.from_pretrained(job.student, dtype=dtype, device_map=device)
     teacher, tokenizer = load_llama(job.teacher, job.placement), load_tokenizer(job.teacher)
     text = prepare_text(teacher, tokenizer, job.text)
-    scores = score_documents({"before": student}, text)
+    scores = score_documents({"before": student}, text, teacher)
     stages = StageSelection(text.selection, text.bf16_scoring)
     stages.consider("before", student)
     settings = recovery_settings(job.settings, text)
     result = finetune(student, teacher, text.recovery, settings, text.held_out)
-    add_scores(scores, score_documents({"after": result.model}, text))
+    add_scores(scores, score_documents({"after": result.model}, text, teacher))
     stages.consider("after", result.model)
     summary = {
         "student": public_name(job.student),

