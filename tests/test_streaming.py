@@ -18,8 +18,15 @@ from egmla.conversion.plan import plan_conversion
 from egmla.conversion.reconstruction import ReconstructionSettings, reconstruct_layers
 from egmla.conversion.source import load_tokenizer
 from egmla.conversion.streaming import SourceFiles
-from egmla.data import EXCERPT
-from egmla.text import document_ids, document_perplexity, position_buckets, split_documents, token_blocks
+from egmla.data import EXCERPT, WIKIPEDIA_HELD_OUT
+from egmla.text import (
+    document_ids,
+    document_perplexity,
+    position_buckets,
+    read_documents,
+    split_documents,
+    token_blocks,
+)
 from tests.utils import tiny_source, with_tokenizer
 
 FLAGS = ["--train-text", str(EXCERPT), "--calibration-blocks", "8", "--block-size", "64"]
@@ -64,6 +71,11 @@ def assert_scores(report: dict, source: Path, models: dict, rel: float) -> None:
             [row["perplexity"] for row in expected["buckets"]], rel=rel
         )
     assert report["eval_documents"] == len(documents) > 1
+    # The general English text (the default extra held-out text), scored as it streamed by too.
+    general = document_ids(load_tokenizer(str(source)), read_documents(WIKIPEDIA_HELD_OUT)[:100], edges[-1])
+    for name, model in models.items():
+        expected = document_perplexity(model, general, edges)["perplexity"]
+        assert report["extra_perplexity"][name]["wikipedia_held_out.txt"] == pytest.approx(expected, rel=rel)
 
 
 @pytest.mark.parametrize("split", SPLITS)

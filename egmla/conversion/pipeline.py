@@ -117,8 +117,9 @@ class TextSettings:
     sample_temperatures: tuple[float, ...] = option(
         (0.7, 0.85, 1.0), "temperatures the source's samples cycle through, batch by batch"
     )
+    # Half: kept on the choosing half of the general English excerpt and the source's samples (docs/results.md).
     source_sample_share: float = option(
-        0.0,
+        0.5,
         "with --train-text, the share of the first fitting blocks (calibration, layer-wise fit, recovery) that are "
         "--sampled-blocks of the source's own text, interleaved with the user's (0: the user's text alone)",
     )
@@ -239,9 +240,32 @@ def fitting_blocks(teacher, tokenizer, settings: TextSettings) -> tuple[torch.Te
     return fit, (held_out, eval_source), source
 
 
+def extra_documents(tokenizer, settings: TextSettings, context: int) -> dict[str, list[torch.Tensor]]:
+    """Every extra held-out text's documents, whole up to the source's `context`, by the text's name."""
+    count = settings.eval_documents
+    return {
+        public_name(path): document_ids(tokenizer, read_documents(path)[:count], context)
+        for path in settings.extra_eval_text
+    }
+
+
+def held_aside_samples(teacher, tokenizer, settings: TextSettings) -> list[torch.Tensor]:
+    """The source's samples no stage fits on (another seed than every fitting sample's), a batch per temperature."""
+    count, temperatures = settings.held_aside_samples, len(settings.sample_temperatures)
+    if not count:
+        return []
+    aside = sampling(settings, 0, seed_offset=1_000_003)
+    aside = dataclasses.replace(aside, samples=count, batch_size=max(1, -(-count // temperatures)))
+    return sample_documents(teacher, tokenizer, aside)
+
+
 def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
     context = teacher.config.max_position_embeddings
-    fit, held_out_part, fit_source = fitting_blocks(teacher, tokenizer, settings)
+    # The source is sampled under the scoring's autocast: bf16 where the device computes it natively.
+    bf16_scoring = uses_bf16(settings.scoring_mixed_precision, teacher.device, teacher.config.hidden_size)
+    with bf16_autocast(teacher.device, bf16_scoring):
+        fit, held_out_part, fit_source = fitting_blocks(teacher, tokenizer, settings)
+        samples = held_aside_samples(teacher, tokenizer, settings)
     if held_out_part is None:
         eval_path = settings.eval_text or EXCERPT
         held_out_documents, eval_source = read_documents(eval_path), public_name(eval_path)
@@ -249,16 +273,7 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
         held_out_documents, eval_source = held_out_part
     held_out = token_blocks(tokenizer, held_out_documents, settings.block_size)[: settings.eval_blocks]
     documents = document_ids(tokenizer, held_out_documents[: settings.eval_documents], context)
-    extra = {
-        public_name(path): document_ids(tokenizer, read_documents(path)[: settings.eval_documents], context)
-        for path in settings.extra_eval_text
-    }
-    samples = []
-    if settings.held_aside_samples:  # another seed than every fitting sample's
-        count, temperatures = settings.held_aside_samples, len(settings.sample_temperatures)
-        aside = sampling(settings, 0, seed_offset=1_000_003)  # a batch per temperature
-        aside = dataclasses.replace(aside, samples=count, batch_size=max(1, -(-count // temperatures)))
-        samples = sample_documents(teacher, tokenizer, aside)
+    extra = extra_documents(tokenizer, settings, context)
     length = recovery_length(settings, context)
     aside = min(-(-SELECTION_TOKENS // fit.shape[1]), len(fit) // 8)
     fit, selection = fit[: len(fit) - aside], fit[len(fit) - aside :]
@@ -275,7 +290,6 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
         "extra_eval_text": {name: len(ids) for name, ids in extra.items()},
         "held_aside_samples": len(samples),
     }
-    bf16_scoring = uses_bf16(settings.scoring_mixed_precision, teacher.device, teacher.config.hidden_size)
     description["scoring_autocast"] = "bf16" if bf16_scoring else None
     return TextData(
         fit, recovery, selection, held_out, documents, description, extra_documents=extra, source_samples=samples,

@@ -38,7 +38,14 @@ from .layer_stream import (
     student_layer,
     student_layer_state,
 )
-from .pipeline import fitting_and_held_out, held_out_dataset, layer_wise_inputs, recovery_length, split_train_text
+from .pipeline import (
+    extra_documents,
+    fitting_and_held_out,
+    held_out_dataset,
+    layer_wise_inputs,
+    recovery_length,
+    split_train_text,
+)
 from .reconstruction import (
     LayerStreams,
     ReconstructionSettings,
@@ -123,6 +130,7 @@ class StreamedText(NamedTuple):
 
     blocks: torch.Tensor  # calibration token blocks [N, S]
     documents: list[torch.Tensor]  # held-out documents' ids, whole up to the source's context (none: not scored)
+    extra: dict[str, list[torch.Tensor]]  # more held-out texts' documents, by name
 
 
 @dataclasses.dataclass
@@ -135,6 +143,7 @@ class LayersWritten:
     total: int = 0
     rows: list = dataclasses.field(default_factory=list)
     documents: DocumentStreams | None = None
+    extra: dict[str, DocumentStreams] = dataclasses.field(default_factory=dict)
 
 
 def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path, text, statistics_folder):
@@ -146,7 +155,8 @@ def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path
     fitting = fitting_streams(text.blocks, embeddings, job, context)
     bf16 = uses_bf16(job.text.scoring_mixed_precision, placement.torch_device(), shell.config.hidden_size)
     documents = document_streams(text.documents, embeddings, context, bf16) if text.documents else None
-    written = LayersWritten(documents=documents)
+    extra = {name: document_streams(ids, embeddings, context, bf16) for name, ids in text.extra.items() if ids}
+    written = LayersWritten(documents=documents, extra=extra)
     inv_freq = shell.model.rotary_emb.inv_freq.float().cpu()
     plan = ConversionPlan(options, budget, [], [], [])  # the shape; the splits and factors come layer by layer
     for layer_idx in tqdm(range(shell.config.num_hidden_layers), desc="streaming layers", unit="layer", leave=False):
@@ -163,19 +173,23 @@ def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path
         if fitting is not None:
             state, row = fit_streamed_layer(layer, layer_idx, state, config, fitting, rotary)
             written.rows.append(row)
-        if written.documents is not None:
+        streams = [written.documents, *written.extra.values()] if written.documents is not None else []
+        if streams:
             student, student_rotary = student_layer(state, layer_idx, config, layer.input_layernorm.weight)
-            advance_documents(written.documents, layer, rotary, student, student_rotary)
+            for documents in streams:
+                advance_documents(documents, layer, rotary, student, student_rotary)
         name = f"model-layer-{layer_idx:05d}.safetensors"
         written.total += write_shard(staging, name, state, placement.torch_dtype, written.weight_map)
         del layer, state, split, factorization  # one layer at a time
     return written
 
 
-def held_out_documents(job, tokenizer, context: int) -> tuple[list[torch.Tensor], str]:
-    """The held-out documents the whole-model conversion scores (none with `eval_documents=0`), and where from."""
+def held_out_documents(job, tokenizer, context: int) -> tuple[list[torch.Tensor], str, dict]:
+    """The held-out documents the whole-model conversion scores (none with `eval_documents=0`), where from, and the
+    documents of every extra held-out text by name."""
     _, documents, eval_source = fitting_and_held_out(job.text)
-    return document_ids(tokenizer, documents[: job.text.eval_documents], context), eval_source
+    held_out = document_ids(tokenizer, documents[: job.text.eval_documents], context)
+    return held_out, eval_source, extra_documents(tokenizer, job.text, context)
 
 
 def run_streaming_conversion(job) -> dict:
@@ -193,8 +207,8 @@ def run_streaming_conversion(job) -> dict:
     check_streamable(job.options)
     files, shell, tokenizer = SourceFiles(folder), source_shell(config), load_tokenizer(str(folder))
     blocks = calibration_blocks(job, tokenizer)  # refuses a job without text by name
-    documents, eval_source = held_out_documents(job, tokenizer, config.max_position_embeddings)
-    text = StreamedText(blocks, documents)
+    documents, eval_source, extra = held_out_documents(job, tokenizer, config.max_position_embeddings)
+    text = StreamedText(blocks, documents, extra)
     with atomic_folder(job.out, job.overwrite, (str(folder),)) as staging:
         job, budget, candidates, written = convert_layers(shell, files, job, staging, text, times)
         with times.stage("embeddings and head"):
@@ -207,6 +221,10 @@ def run_streaming_conversion(job) -> dict:
             with times.stage("scoring"):
                 norm, head = final_norm_and_head(shell, outer, job.placement.torch_device(), job.placement.torch_dtype)
                 scores = document_scores(written.documents, norm, head, stage)
+                scores["extra_perplexity"] = {"source": {}, stage: {}}
+                for text_name, streams in written.extra.items():
+                    for model, value in document_scores(streams, norm, head, stage)["perplexity"].items():
+                        scores["extra_perplexity"][model][text_name] = value
         student_config = layer_config(shell, job.options, budget, written.frequencies)
         save_config(student_config, staging, written.weight_map, written.total, job.placement.dtype)
         tokenizer.save_pretrained(staging)
