@@ -1,5 +1,5 @@
 """Data-free text sampling speed: tokens/s of `generate` from the source's BOS at several batch widths, in one
-process, as ratios to 32 rows (what `egmla.text.sample_blocks` chose before it took 128).
+process, as ratios to 32 rows (`egmla.sampling.Sampling.batch_size` is 64).
 
     python benchmarks/sampling.py                     # SmolLM2-135M (the main job's source), 32 new tokens
 """
