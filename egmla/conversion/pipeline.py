@@ -223,8 +223,9 @@ def interleaved(text: torch.Tensor, sampled: torch.Tensor, share: float) -> torc
     return torch.cat([torch.stack(order), text[used_text:]]) if order else text
 
 
-def fitting_blocks(teacher, tokenizer, settings: TextSettings) -> tuple[torch.Tensor, list[str] | None, str]:
-    """(fitting blocks, the held-out documents of the fitting text or None, what the fitting text is)."""
+def fitting_blocks(teacher, tokenizer, settings: TextSettings) -> tuple[torch.Tensor, tuple | None, str]:
+    """(fitting blocks, the fitting text's held-out documents and where they are from, or None without a text,
+    what the fitting text is)."""
     if settings.train_text is None:
         size, count = settings.sampled_block_size, settings.sampled_blocks
         fit = sample_blocks(teacher, tokenizer, count, size, sampling(settings, count * size))
@@ -236,7 +237,8 @@ def fitting_blocks(teacher, tokenizer, settings: TextSettings) -> tuple[torch.Te
         count, size = settings.sampled_blocks, settings.block_size
         sampled = sample_blocks(teacher, tokenizer, count, size, sampling(settings, count * size))
         fit = interleaved(fit, sampled, settings.source_sample_share)
-        source += f", with {len(sampled)} blocks sampled from the source ({settings.source_sample_share:.0%} of the first)"
+        share = settings.source_sample_share
+        source += f", with {len(sampled)} blocks sampled from the source ({share:.0%} of the first)"
     return fit, (held_out, eval_source), source
 
 
