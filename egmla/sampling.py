@@ -78,7 +78,7 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 def sample_batch(model, tokenizer, prompts: list[list[int]], temperature: float, sampling: Sampling) -> list[list[int]]:
     """One batch of samples: each its prompt, then its new tokens up to and with the end-of-text token."""
     end = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end
+    pad = end if end is not None else 0  # masked out: any id the model embeds (a tokenizer's pad may lie past it)
     ids, mask = left_padded(prompts, pad)
     device = next(model.parameters()).device
     out = model.generate(
