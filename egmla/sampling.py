@@ -96,8 +96,9 @@ def sample_batch(model, tokenizer, prompts: list[list[int]], temperature: float,
 
 def sample_documents(model, tokenizer: PreTrainedTokenizerBase, sampling: Sampling) -> list[torch.Tensor]:
     """Samples of the source, each from a prompt cycled through `source_prompts`, at the temperatures in turn,
-    until `sampling.tokens` (or `sampling.samples` samples); samples that loop are dropped (and a batch of loops only is no progress: after as
-    many batches again as needed, what there is is returned). The caller's random state is left as it was."""
+    until `sampling.tokens` (or `sampling.samples` samples); samples that loop are dropped (and a batch of loops
+    only is no progress: after as many batches again as needed, what there is is returned). The caller's random
+    state is left as it was."""
     prompts = source_prompts(tokenizer)
     documents, tokens, batch_index = [], 0, 0
     needed = max(-(-sampling.tokens // (sampling.batch_size * sampling.new_tokens // 2)), sampling.samples)

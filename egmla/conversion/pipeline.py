@@ -205,8 +205,9 @@ def recovery_length(settings: TextSettings, context: int) -> int:
     return settings.recovery_block_size or min(context, MAX_RECOVERY_BLOCK)
 
 
-def sampling(settings: TextSettings, tokens: int, seed_offset: int = 0) -> Sampling:
-    return Sampling(tokens=tokens, temperatures=settings.sample_temperatures, seed=settings.seed + seed_offset)
+def sampling(settings: TextSettings, seed_offset: int = 0) -> Sampling:
+    """The settings' sampling of the source; how much to sample is the caller's (`sample_blocks` sizes it)."""
+    return Sampling(tokens=0, temperatures=settings.sample_temperatures, seed=settings.seed + seed_offset)
 
 
 def interleaved(text: torch.Tensor, sampled: torch.Tensor, share: float) -> torch.Tensor:
@@ -228,14 +229,14 @@ def fitting_blocks(teacher, tokenizer, settings: TextSettings) -> tuple[torch.Te
     what the fitting text is)."""
     if settings.train_text is None:
         size, count = settings.sampled_block_size, settings.sampled_blocks
-        fit = sample_blocks(teacher, tokenizer, count, size, sampling(settings, count * size))
+        fit = sample_blocks(teacher, tokenizer, count, size, sampling(settings))
         temperatures = "/".join(f"{t:g}" for t in settings.sample_temperatures)
         return fit, None, f"{len(fit)} x {size} tokens sampled from the source at {temperatures} (data-free)"
     documents, held_out, eval_source = fitting_and_held_out(settings)
     fit, source = token_blocks(tokenizer, documents, settings.block_size), public_name(settings.train_text)
     if settings.source_sample_share > 0:
         count, size = settings.sampled_blocks, settings.block_size
-        sampled = sample_blocks(teacher, tokenizer, count, size, sampling(settings, count * size))
+        sampled = sample_blocks(teacher, tokenizer, count, size, sampling(settings))
         fit = interleaved(fit, sampled, settings.source_sample_share)
         share = settings.source_sample_share
         source += f", with {len(sampled)} blocks sampled from the source ({share:.0%} of the first)"
@@ -256,7 +257,7 @@ def held_aside_samples(teacher, tokenizer, settings: TextSettings) -> list[torch
     count, temperatures = settings.held_aside_samples, len(settings.sample_temperatures)
     if not count:
         return []
-    aside = sampling(settings, 0, seed_offset=1_000_003)
+    aside = sampling(settings, seed_offset=1_000_003)
     aside = dataclasses.replace(aside, samples=count, batch_size=max(1, -(-count // temperatures)))
     return sample_documents(teacher, tokenizer, aside)
 
