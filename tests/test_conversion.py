@@ -765,3 +765,37 @@ def test_the_source_sampler_varies_its_prompts_and_temperatures_and_drops_loops(
     assert tokenizer.decode(prompts[-1]).endswith(REQUESTS[-1] + "<|assistant|>")
     with pytest.raises(ValueError, match="temperatures must be positive"):
         TextSettings(sample_temperatures=(0.5, 0.0))
+
+
+def test_the_source_samples_keep_their_share_in_calibration_and_recovery(tmp_path):
+    """Beside a user's text, the source's samples are `source_sample_share` of the first blocks (calibration and
+    the layer-wise fit) and, with `replay_samples`, of all the recovery blocks, where batches are drawn from all of
+    the text; the blocks that decide which stages are kept are the user's text alone."""
+    from egmla.conversion.pipeline import fitting_blocks, interleaved, prepare_text
+
+    text, sampled = torch.arange(100).view(10, 10), -torch.arange(1, 31).view(3, 10)
+    first = interleaved(text, sampled, 0.5)
+    assert [int(row[0] < 0) for row in first[:6]] == [1, 0, 1, 0, 1, 0] and torch.equal(first[6:], text[3:])
+    replayed = interleaved(text, sampled, 0.5, replay=True)
+    assert len(replayed) == 20 and (replayed[:, 0] < 0).sum() == 10 and torch.equal(replayed[6], sampled[0])
+
+    documents = [f"Lily saw a cat number {i}. The cat ran to the park and played with a ball." for i in range(60)]
+    train = tmp_path / "train.txt"
+    train.write_text("<|endoftext|>".join(documents))
+    tokenizer, teacher = AutoTokenizer.from_pretrained(TOKENIZER), tiny_llama(vocab_size=512)
+    settings = TextSettings(
+        train_text=train, block_size=16, sampled_blocks=6, source_sample_share=0.5, held_aside_samples=0,
+        extra_eval_text=(), recovery_block_size=32, eval_documents=4,
+    )  # fmt: skip
+    samples = {tuple(row.tolist()) for row in fitting_blocks(teacher, tokenizer, settings).sampled}
+    data = prepare_text(teacher, tokenizer, settings)
+    replayed_data = prepare_text(teacher, tokenizer, dataclasses.replace(settings, replay_samples=True))
+
+    def from_samples(blocks: torch.Tensor) -> list[bool]:
+        return [tuple(row.tolist()) in samples for row in blocks.reshape(-1, 16)]
+
+    assert from_samples(data.fit[:6]) == from_samples(replayed_data.fit[:6]) == [True, False] * 3
+    assert sum(from_samples(data.recovery)) == len(samples)  # among the first blocks only
+    recovered = from_samples(replayed_data.recovery)
+    assert len(recovered) > 2 * len(samples) and sum(recovered) == len(recovered) // 2
+    assert not any(from_samples(data.selection)) and torch.equal(data.selection, replayed_data.selection)

@@ -6,6 +6,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from accelerate import PartialState
@@ -123,6 +124,11 @@ class TextSettings:
         "with --train-text, the share of the first fitting blocks (calibration, layer-wise fit, recovery) that are "
         "--sampled-blocks of the source's own text, interleaved with the user's (0: the user's text alone)",
     )
+    replay_samples: bool = option(
+        False,
+        "recovery replays the source's samples at --source-sample-share through all of the user's text (where its "
+        "batches are drawn), not only among the first blocks: nearer the source beyond the text, further on it",
+    )
     held_aside_samples: int = option(
         24, "samples of the source held aside from every stage: the report's perplexity and KL to the source on them"
     )
@@ -210,13 +216,14 @@ def sampling(settings: TextSettings, seed_offset: int = 0) -> Sampling:
     return Sampling(tokens=0, temperatures=settings.sample_temperatures, seed=settings.seed + seed_offset)
 
 
-def interleaved(text: torch.Tensor, sampled: torch.Tensor, share: float) -> torch.Tensor:
-    """Blocks of the user's text with the source's samples among the first of them, `share` of every run of blocks
-    until the samples are used up; the rest of the text after."""
+def interleaved(text: torch.Tensor, sampled: torch.Tensor, share: float, replay: bool = False) -> torch.Tensor:
+    """Blocks of the user's text with the source's samples among them, `share` of every run of blocks: among the
+    first of them until the samples are used up, the rest of the text after; with `replay`, the samples cycled so
+    that the share holds through all of the text."""
     order, used_text, used_sampled = [], 0, 0
-    while used_sampled < len(sampled) and used_text < len(text):
+    while (replay or used_sampled < len(sampled)) and used_text < len(text):
         if used_sampled < share * (used_text + used_sampled + 1):
-            order.append(sampled[used_sampled])
+            order.append(sampled[used_sampled % len(sampled)])
             used_sampled += 1
         else:
             order.append(text[used_text])
@@ -224,23 +231,40 @@ def interleaved(text: torch.Tensor, sampled: torch.Tensor, share: float) -> torc
     return torch.cat([torch.stack(order), text[used_text:]]) if order else text
 
 
-def fitting_blocks(teacher, tokenizer, settings: TextSettings) -> tuple[torch.Tensor, tuple | None, str]:
-    """(fitting blocks, the fitting text's held-out documents and where they are from, or None without a text,
-    what the fitting text is)."""
+class FittingText(NamedTuple):
+    """The fitting text's blocks [N, S]: the user's (or, data-free, the source's samples), and the source's samples
+    mixed in beside a user's text (None without)."""
+
+    blocks: torch.Tensor
+    sampled: torch.Tensor | None
+    held_out: tuple[list[str], str] | None  # the user's held-out documents and where they are from; None data-free
+    description: str
+
+
+def fitting_blocks(teacher, tokenizer, settings: TextSettings) -> FittingText:
+    """The fitting text: the user's blocks and the source's samples, or (data-free) the samples alone."""
     if settings.train_text is None:
         size, count = settings.sampled_block_size, settings.sampled_blocks
         fit = sample_blocks(teacher, tokenizer, count, size, sampling(settings))
         temperatures = "/".join(f"{t:g}" for t in settings.sample_temperatures)
-        return fit, None, f"{len(fit)} x {size} tokens sampled from the source at {temperatures} (data-free)"
+        return FittingText(
+            fit, None, None, f"{len(fit)} x {size} tokens sampled from the source at {temperatures} (data-free)"
+        )
     documents, held_out, eval_source = fitting_and_held_out(settings)
     fit, source = token_blocks(tokenizer, documents, settings.block_size), public_name(settings.train_text)
-    if settings.source_sample_share > 0:
-        count, size = settings.sampled_blocks, settings.block_size
-        sampled = sample_blocks(teacher, tokenizer, count, size, sampling(settings))
-        fit = interleaved(fit, sampled, settings.source_sample_share)
-        share = settings.source_sample_share
-        source += f", with {len(sampled)} blocks sampled from the source ({share:.0%} of the first)"
-    return fit, (held_out, eval_source), source
+    if settings.source_sample_share == 0:
+        return FittingText(fit, None, (held_out, eval_source), source)
+    sampled = sample_blocks(teacher, tokenizer, settings.sampled_blocks, settings.block_size, sampling(settings))
+    share = settings.source_sample_share
+    source += f", with {len(sampled)} blocks sampled from the source ({share:.0%} of every stage's blocks)"
+    return FittingText(fit, sampled, (held_out, eval_source), source)
+
+
+def mixed(fitting: FittingText, share: float, replay: bool = False) -> torch.Tensor:
+    """The fitting blocks with the source's samples interleaved at `share`, if there are any."""
+    if fitting.sampled is None:
+        return fitting.blocks
+    return interleaved(fitting.blocks, fitting.sampled, share, replay)
 
 
 def extra_documents(tokenizer, settings: TextSettings, context: int) -> dict[str, list[torch.Tensor]]:
@@ -267,23 +291,28 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
     # The source is sampled under the scoring's autocast: bf16 where the device computes it natively.
     bf16_scoring = uses_bf16(settings.scoring_mixed_precision, teacher.device, teacher.config.hidden_size)
     with bf16_autocast(teacher.device, bf16_scoring):
-        fit, held_out_part, fit_source = fitting_blocks(teacher, tokenizer, settings)
+        fitting = fitting_blocks(teacher, tokenizer, settings)
         samples = held_aside_samples(teacher, tokenizer, settings)
-    if held_out_part is None:
+    if fitting.held_out is None:
         eval_path = settings.eval_text or EXCERPT
         held_out_documents, eval_source = read_documents(eval_path), public_name(eval_path)
     else:
-        held_out_documents, eval_source = held_out_part
+        held_out_documents, eval_source = fitting.held_out
     held_out = token_blocks(tokenizer, held_out_documents, settings.block_size)[: settings.eval_blocks]
     documents = document_ids(tokenizer, held_out_documents[: settings.eval_documents], context)
     extra = extra_documents(tokenizer, settings, context)
     length = recovery_length(settings, context)
-    aside = min(-(-SELECTION_TOKENS // fit.shape[1]), len(fit) // 8)
-    fit, selection = fit[: len(fit) - aside], fit[len(fit) - aside :]
-    recovery = packed_blocks(fit, length)
-    selection = packed_blocks(selection, length) if aside * fit.shape[1] >= length else selection
+    # The last of the user's blocks (the samples' when data-free) decide which stages are kept: no stage fits them.
+    blocks = fitting.blocks
+    aside = min(-(-SELECTION_TOKENS // blocks.shape[1]), len(blocks) // 8)
+    fitting, selection = fitting._replace(blocks=blocks[: len(blocks) - aside]), blocks[len(blocks) - aside :]
+    # Calibration and the layer-wise fit take the first blocks, `source_sample_share` of them samples; recovery
+    # draws its batches from all of the text, where only `replay_samples` keeps the share.
+    fit = mixed(fitting, settings.source_sample_share)
+    recovery = packed_blocks(mixed(fitting, settings.source_sample_share, settings.replay_samples), length)
+    selection = packed_blocks(selection, length) if aside * blocks.shape[1] >= length else selection
     description = {
-        "fit_text": fit_source,
+        "fit_text": fitting.description,
         "recovery_block_size": recovery.shape[1],
         "eval_text": eval_source,
         "eval_documents": len(documents),
