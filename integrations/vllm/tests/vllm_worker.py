@@ -1,7 +1,8 @@
 """Runs vLLM engines on folders, one after another in this process (starting Python and importing vLLM costs
 about 20 s on 2 cores, an engine on a tiny folder 3 s), and prints one JSON line per request: greedy tokens and
-their logprobs, the KV bytes per token vLLM allocates, the tokens/s (with `time_prefill`, also the prefill's
-seconds and the tokens/s after it), or the error the engine raised.
+their logprobs, the KV bytes per token vLLM allocates, the tokens/s and seconds (with `time_prefill`, also the
+prefill's seconds and the tokens/s after it), the most requests running at once and the preemptions, or the error
+the engine raised.
 
     python vllm_worker.py REQUESTS_JSON_FILE   # {"name": {"folder": ..., "prompts": [[ids]], "max_tokens": N}, ...}
 
@@ -24,6 +25,27 @@ def kv_bytes_per_token(llm) -> int:
     return total
 
 
+class SchedulerWatch:
+    """The most requests running at once, and the preemptions, over an in-process engine's scheduler steps (a
+    preempted request gives its cache back and computes its tokens again later)."""
+
+    def __init__(self, llm):
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        self.max_running, self.preemptions = 0, 0
+        schedule, preempt = scheduler.schedule, scheduler._preempt_request
+
+        def watched_schedule(*args, **kwargs):
+            output = schedule(*args, **kwargs)
+            self.max_running = max(self.max_running, len(scheduler.running))
+            return output
+
+        def watched_preempt(*args, **kwargs):
+            self.preemptions += 1
+            return preempt(*args, **kwargs)
+
+        scheduler.schedule, scheduler._preempt_request = watched_schedule, watched_preempt
+
+
 def serve(request: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -42,7 +64,9 @@ def serve(request: dict) -> dict:
         **engine,
     )
     logprobs = request.get("logprobs", 1) or None  # 0: none (a benchmark)
-    params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, logprobs=logprobs)
+    params = SamplingParams(
+        max_tokens=request["max_tokens"], temperature=0, logprobs=logprobs, ignore_eos=request.get("ignore_eos", False)
+    )
     prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm-up
     prefill = None
@@ -52,6 +76,7 @@ def serve(request: dict) -> dict:
         llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
         prefill = time.perf_counter() - started
         llm.reset_prefix_cache()
+    watch = SchedulerWatch(llm)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - started
@@ -65,10 +90,16 @@ def serve(request: dict) -> dict:
         "logprobs": logprobs,
         "kv_bytes_per_token": kv_bytes_per_token(llm),
         "tokens_per_second": sum(len(ids) for ids in tokens) / elapsed,
+        "seconds": elapsed,
+        "max_running": watch.max_running,
+        "preemptions": watch.preemptions,
     }
     if prefill is not None:  # the tokens after each prompt's first, over the time after the prefill
         result["prefill_seconds"] = prefill
-        result["decode_tokens_per_second"] = sum(len(ids) - 1 for ids in tokens) / max(elapsed - prefill, 1e-9)
+        # Where the prefill is nearly all of the call, what is left of it is noise, not the decode's time.
+        after = elapsed - prefill
+        decoded = sum(len(ids) - 1 for ids in tokens)
+        result["decode_tokens_per_second"] = decoded / after if after > 0.05 * elapsed else None
     del llm
     return result
 
