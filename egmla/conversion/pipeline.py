@@ -256,7 +256,8 @@ def fitting_blocks(teacher, tokenizer, settings: TextSettings) -> FittingText:
         return FittingText(fit, None, (held_out, eval_source), source)
     sampled = sample_blocks(teacher, tokenizer, settings.sampled_blocks, settings.block_size, sampling(settings))
     share = settings.source_sample_share
-    source += f", with {len(sampled)} blocks sampled from the source ({share:.0%} of every stage's blocks)"
+    where = "of the first blocks, replayed through recovery" if settings.replay_samples else "of the first blocks"
+    source += f", with {len(sampled)} blocks sampled from the source ({share:.0%} {where})"
     return FittingText(fit, sampled, (held_out, eval_source), source)
 
 
