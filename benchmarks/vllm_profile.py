@@ -1,5 +1,6 @@
 """Where a vLLM step goes: one engine on one folder (an egmla folder, or a Llama one), its prompts' prefill and
-`--max-tokens` greedy tokens under torch.profiler, the operators' CPU time printed by operator and input shape.
+`--max-tokens` greedy tokens in `--dtype` (bf16 by default) under torch.profiler, the operators' CPU time printed
+by operator and input shape.
 
     EGMLA_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/vllm_profile.py runs/smollm2-egmla --sequences 16
 
@@ -25,7 +26,7 @@ import torch
 from vllm import LLM, SamplingParams
 
 folder, count, prompt_tokens, max_tokens, rows = sys.argv[1], *map(int, sys.argv[2:6])
-llm = LLM(model=folder, dtype="float32", max_model_len=prompt_tokens + max_tokens, max_num_seqs=count,
+llm = LLM(model=folder, dtype=sys.argv[6], max_model_len=prompt_tokens + max_tokens, max_num_seqs=count,
           enforce_eager=True, seed=0)
 prompts = [{"prompt_token_ids": list(range(100 + i, 100 + i + prompt_tokens))} for i in range(count)]
 llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
@@ -44,9 +45,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--rows", type=int, default=30, help="operators printed, by self CPU time")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args()
     command = [os.environ["EGMLA_VLLM_PYTHON"], "-c", PROFILE, str(args.folder), str(args.sequences),
-               str(args.prompt_tokens), str(args.max_tokens), str(args.rows)]  # fmt: skip
+               str(args.prompt_tokens), str(args.max_tokens), str(args.rows), args.dtype]  # fmt: skip
     subprocess.run(command, check=True, env={**os.environ, **VLLM_ENV})
 
 
