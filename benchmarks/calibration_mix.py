@@ -87,7 +87,8 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
             if args.reconstruction_steps:
-                count = round(share * len(sampled))  # the blend's blocks, interleaved as the pipeline does
+                # The blend's blocks: that share of them samples, the rest text (the fit draws them at random).
+                count = round(share * len(sampled))
                 blocks = torch.cat([sampled[:count], text[: len(text) - count]])
                 settings = ReconstructionSettings(steps=args.reconstruction_steps, batch_size=2, mixed_precision="auto")
                 reconstruct_layers(student, teacher, packed_blocks(blocks, 512), settings)

@@ -12,9 +12,8 @@ greedy tokens, ignoring the end-of-text token, under the same `VLLM_CPU_KVCACHE_
 generated tokens over the whole `generate` call, prompts' prefill included; the prefill alone is timed before it
 (the same prompts, one new token each, the prefix cache emptied around it) and its share of the call is printed,
 with the tokens/s after it ("-" where the prefill is nearly the whole call), the most sequences running at once
-and the preemptions. Each round runs all engines of
-a cell one after another in one worker process (vLLM's start-up is paid once per round), the models alternated,
-`--rounds` rounds; the medians and their ratios to the source are printed.
+and the preemptions. Each round runs all engines of a cell one after another in one worker process (vLLM's start-up
+is paid once per round), `--rounds` rounds; the medians and their ratios to the source are printed.
 """
 
 import argparse
@@ -86,7 +85,7 @@ def main() -> None:
     parser.add_argument("--text", type=Path, default=EXCERPT, help="where the prompts come from")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--json", type=Path, default=None, help="also write every round's results here")
+    parser.add_argument("--json", type=Path, default=None, help="also write every cell's rows (the medians) here")
     args = parser.parse_args()
     python, source = os.environ["EGMLA_VLLM_PYTHON"], args.source or smollm2_gguf()
     rows = []
@@ -148,8 +147,8 @@ def print_rows(rows: list[dict], max_tokens: int) -> None:
 def median_cells(results: list[dict]) -> dict:
     """The medians over rounds of the whole call's tokens/s, the prefill's share of it, the tokens/s after the
     prefill, the most sequences running at once and the preemptions."""
-    for result in results:
-        result["prefill_share"] = result["prefill_seconds"] / result["seconds"]
+    shares = [{"prefill_share": result["prefill_seconds"] / result["seconds"]} for result in results]
+    results = [result | share for result, share in zip(results, shares, strict=True)]
     names = ("tokens_per_second", "prefill_share", "decode_tokens_per_second", "max_running", "preemptions")
     values = {name: [result[name] for result in results if result[name] is not None] for name in names}
     return {name: statistics.median(found) if found else None for name, found in values.items()}

@@ -15,9 +15,14 @@ import sys
 import time
 
 
+def engine_scheduler(llm):
+    """The scheduler of an in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
 def kv_bytes_per_token(llm) -> int:
     """What vLLM's KV cache holds per token over all layers, from the cache config it allocated."""
-    config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    config = engine_scheduler(llm).kv_cache_config
     total = 0
     for group in config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -30,7 +35,7 @@ class SchedulerWatch:
     preempted request gives its cache back and computes its tokens again later)."""
 
     def __init__(self, llm):
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        scheduler = engine_scheduler(llm)
         self.max_running, self.preemptions = 0, 0
         schedule, preempt = scheduler.schedule, scheduler._preempt_request
 
