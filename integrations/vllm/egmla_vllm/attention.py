@@ -1,8 +1,12 @@
-"""A PyTorch MLA decode for the CPU, for the latent widths vLLM's C++ kernel lacks (it takes only 512 + 64).
+"""MLA attention on the CPU for the latent widths vLLM's own CPU MLA backends lack (they take only 512 + 64).
 
-vLLM's CPU MLA backend keeps the shared scaffolding (the expanded-MHA prefill, W^{UK} absorbed into the query,
-W^{UV} applied after the decode); this subclass only replaces the decode over the paged cache, vectorized over the
-batch, and lets the metadata take any head size. On a GPU, vLLM's own MLA backends (TRITON_MLA) take any width.
+In bf16 and fp16 (`EGMLALatentKernelBackend`): vLLM's CPU latent-attention kernels (`decode_attention_cpu`,
+`extend_attention_cpu`, vendored from sglang, vectorized with AVX-512 / AMX) read the paged cache in place, the
+prefill absorbed like the decode (no cached latent is expanded); they take widths that are multiples of 32, so the
+model pads the cache row with zero columns (`tail_padding`). In fp32, which those kernels lack
+(`EGMLACPUMLABackend`): vLLM's CPU MLA scaffolding (the expanded-MHA prefill, W^{UK} absorbed into the query, W^{UV}
+applied after the decode) with the decode over the paged cache in PyTorch, vectorized over the batch. On a GPU,
+vLLM's own MLA backends (TRITON_MLA) take any width.
 """
 
 from dataclasses import dataclass
@@ -13,6 +17,8 @@ from vllm.model_executor.layers.attention import MLAAttention
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, MLACommonMetadataBuilder
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionLayer, MultipleOf
+from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
+from vllm.v1.attention.backends.mla.amx_mla import AMXMLAMetadataBuilder
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
 
@@ -23,15 +29,40 @@ NATIVE_LATENT_WIDTHS = (256, 448, 512)
 NATIVE_CPU_LATENT_WIDTH = 512
 
 
+# vLLM's CPU latent kernels take a cached row and a value (its first columns) whose widths are multiples of this.
+LATENT_KERNEL_ALIGNMENT = 32
+
+
+def latent_kernels(dtype: torch.dtype) -> bool:
+    """Whether vLLM's CPU latent-attention kernels serve this dtype here (they have no fp32)."""
+    return (
+        current_platform.is_cpu()
+        and dtype in (torch.bfloat16, torch.float16)
+        and hasattr(torch.ops._C, "decode_attention_cpu")
+        and hasattr(torch.ops._C, "extend_attention_cpu")
+    )
+
+
+def tail_padding(latent_width: int, tail_width: int, dtype: torch.dtype, rebuilds: bool = False) -> int:
+    """The zero columns after the cache row's tail that make the row fit vLLM's CPU latent kernels (0 where they do
+    not serve: fp32, a GPU, or keys rebuilt from the cache)."""
+    if rebuilds or not latent_kernels(dtype):
+        return 0
+    return -(latent_width + tail_width) % LATENT_KERNEL_ALIGNMENT
+
+
 def prefill_backend() -> type | None:
     """The MLA prefill: on the CPU ours (one SDPA call for the whole batch), elsewhere vLLM's choice (None)."""
     return EGMLAPrefillBackend if current_platform.is_cpu() else None
 
 
-def latent_backend(latent_width: int, tail_width: int, rebuilds: bool = False) -> type | None:
-    """The attention backend for cached rows [latent ; tail]: ours where the keys are rebuilt (it only writes the
-    cache there) and where vLLM has no kernel for that layout, else None (vLLM chooses). Ours is plain PyTorch, so it
-    runs on a GPU too, but it is tested on the CPU only."""
+def latent_backend(latent_width: int, tail_width: int, dtype: torch.dtype, rebuilds: bool = False) -> type | None:
+    """The attention backend for cached rows [latent ; tail] (the tail padded by `tail_padding`): ours where the keys
+    are rebuilt (it only writes the cache there) and where vLLM has no kernel for that layout, else None (vLLM
+    chooses). On the CPU in bf16 and fp16 ours runs vLLM's latent kernels; elsewhere it is plain PyTorch, so it runs
+    on a GPU too, but it is tested on the CPU only."""
+    if not rebuilds and latent_kernels(dtype):
+        return EGMLALatentKernelBackend
     native = (NATIVE_CPU_LATENT_WIDTH,) if current_platform.is_cpu() else NATIVE_LATENT_WIDTHS
     if rebuilds or tail_width != NATIVE_ROPE_WIDTH or latent_width not in native:
         return EGMLACPUMLABackend
@@ -118,6 +149,81 @@ class EGMLACPUMLAImpl(CPUMLAImpl):
         return attended[:, 0, :, : self.kv_lora_rank].to(q.dtype), None
 
 
+class EGMLALatentKernelMetadataBuilder(EGMLAMLAMetadataBuilder, AMXMLAMetadataBuilder):
+    """Our metadata with what vLLM's CPU latent kernels take, computed once per step (vLLM's AMX MLA builder): each
+    request's flat cache rows (`req_to_token`), int64 lengths, and the decode's split of long contexts."""
+
+
+class EGMLALatentKernelBackend(EGMLACPUMLABackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
+
+    @staticmethod
+    def get_builder_cls() -> type[EGMLALatentKernelMetadataBuilder]:
+        return EGMLALatentKernelMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type["EGMLALatentKernelImpl"]:
+        return EGMLALatentKernelImpl
+
+
+class EGMLALatentKernelImpl(EGMLACPUMLAImpl):
+    """Decode and prefill both absorbed (MQA over the cached latent rows) by vLLM's CPU latent kernels, which read
+    the paged cache in place: q [N, H, D] = [q W^{UK} ; rope query ; zeros] against rows [latent ; rope key ;
+    zeros], the values the rows' first `value_width` columns (the latent, then columns the result drops)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.value_width = -(-self.kv_lora_rank // LATENT_KERNEL_ALIGNMENT) * LATENT_KERNEL_ALIGNMENT
+        self.up_keys_t = self.up_values = None
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """W^{UK}ᵀ [H, dn, r] and W^{UV} [H, r, dv] for the prefill (`forward_mha` is not handed the layer)."""
+        weight = get_and_maybe_dequant_weights(self.kv_b_proj, out_dtype=act_dtype).T  # [r, H * (dn + dv)]
+        weight = weight.view(self.kv_lora_rank, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        up_keys, up_values = weight.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        self.up_keys_t = up_keys.permute(1, 2, 0).contiguous()
+        self.up_values = up_values.transpose(0, 1).contiguous()
+
+    def attend_latents(self, query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache as the kernels read it ([slots, 1, D] and its value columns) and an output [N, H, value]."""
+        rows = kv_cache.view(-1, 1, kv_cache.shape[-1])
+        output = query.new_empty(query.shape[0], self.num_heads, self.value_width)
+        return rows, output
+
+    def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer) -> tuple[torch.Tensor, None]:
+        """One new token per request: q [B, H, D] (W^{UK} absorbed) -> the attended latent [B, H, r]."""
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        decode = attn_metadata.decode
+        rows, output = self.attend_latents(q, kv_c_and_k_pe_cache)
+        partials = torch.zeros(  # each head's partial sums and log-sum-exp per split of a long context
+            q.shape[0], self.num_heads, decode.num_kv_splits, self.value_width + 1, dtype=torch.float32
+        )
+        torch.ops._C.decode_attention_cpu(
+            q, rows, rows[..., : self.value_width], output, None, None, None, partials, decode.req_to_token,
+            decode.req_pool_indices, decode.seq_lens_i64, self.scale, 0.0, False, 0, None, None,
+        )  # fmt: skip
+        return output[..., : self.kv_lora_rank].contiguous(), None
+
+    def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
+                    output_scale=None) -> None:  # fmt: skip
+        """The prompts' new tokens q [N, H, dn + tail], absorbed, over their requests' cached rows (which already
+        hold them, causal), written to output [N, H * dv]."""
+        prefill = attn_metadata.prefill
+        tokens = q.shape[0]
+        q_nope, q_tail = q.split([self.qk_nope_head_dim, q.shape[-1] - self.qk_nope_head_dim], dim=-1)
+        query = torch.cat([torch.bmm(q_nope.transpose(0, 1), self.up_keys_t).transpose(0, 1), q_tail], dim=-1)
+        new_rows = torch.cat([kv_c_normed, k_pe.view(tokens, -1)], dim=-1)[:, None]  # [N, 1, D]
+        rows, attended = self.attend_latents(query, kv_c_and_k_pe_cache)
+        torch.ops._C.extend_attention_cpu(
+            query, new_rows, new_rows[..., : self.value_width], attended, rows, rows[..., : self.value_width],
+            prefill.req_to_token, prefill.req_pool_indices, prefill.cpu_seq_lens, prefill.extend_seq_lens,
+            prefill.extend_start_loc, prefill.max_len_extend, self.scale, 0.0, False, 0, None, None, None,
+        )  # fmt: skip
+        values = output.view(tokens, self.num_heads, self.v_head_dim).transpose(0, 1)
+        torch.bmm(attended[..., : self.kv_lora_rank].transpose(0, 1), self.up_values, out=values)
+
+
 def request_rows(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,25 +252,30 @@ def padded_queries(query: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Ten
 
 
 class EGMLAPrefillBackend(CPUSDPAMLAPrefillBackend):
-    """vLLM's CPU MLA prefill (the expanded MHA over the new tokens), with every request's new tokens attended in one
-    SDPA call over a layout padded to the longest request (one long prompt among short ones pays for its length in
-    every row), instead of one unfused attention per request in a Python loop: 18.6 ms against 23.5 alone (8
-    requests of 256 tokens, SmolLM2's shapes), the same time in a served profile. Batches with cached context or
-    chunked prefill, which need the softmax's log-sum-exp to merge, stay vLLM's; it computes in the input dtype
-    (vLLM's loop in fp32)."""
+    """vLLM's CPU MLA prefill (the expanded MHA over the new tokens; fp32), with every request's new tokens attended
+    in one SDPA call, instead of one unfused attention per request in a Python loop: prompts of one length (one
+    prompt alone, most often) as they are and causal, others padded to the longest with a mask. Batches with cached
+    context, which need the softmax's log-sum-exp to merge, stay vLLM's; it computes in the input dtype (vLLM's loop
+    in fp32)."""
 
     def _ragged_sdpa(self, q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_softmax_lse):
         """q, k, v [N, heads, d], ragged by `q_cu_seq_lens` [R + 1]; returns [N, heads, dv]."""
         if return_softmax_lse or not causal or not torch.equal(q_cu_seq_lens, kv_cu_seq_lens):
             return super()._ragged_sdpa(q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_softmax_lse)
         starts = q_cu_seq_lens.to(torch.long)
+        lengths = starts[1:] - starts[:-1]
+        value_dim = v.shape[-1]  # padded with zeros to the keys' width: SDPA's fused kernel takes one width
+        v = torch.nn.functional.pad(v, (0, max(k.shape[-1] - value_dim, 0)))
+        if bool((lengths == lengths[0]).all()):
+            query, key, value = (part.view(len(lengths), -1, *part.shape[1:]).transpose(1, 2) for part in (q, k, v))
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, is_causal=True, scale=self.scale
+            )  # [R, heads, S, d]
+            return attended.transpose(1, 2).flatten(0, 1)[..., :value_dim].to(v.dtype)
         query, request, place = padded_queries(q, starts)  # [R, S, heads, d]
         key, value = padded_queries(k, starts)[0], padded_queries(v, starts)[0]
-        lengths = (starts[1:] - starts[:-1])[:, None, None]
         positions = torch.arange(query.shape[1], device=q.device)
-        mask = (positions[None, None, :] <= positions[None, :, None]) & (positions[None, None, :] < lengths)
-        value_dim = value.shape[-1]  # padded with zeros to the keys' width: SDPA's fused kernel takes one width
-        value = torch.nn.functional.pad(value, (0, max(key.shape[-1] - value_dim, 0)))
+        mask = (positions[None, None, :] <= positions[None, :, None]) & (positions[None, None, :] < lengths[:, None, None])
         attended = torch.nn.functional.scaled_dot_product_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None],
             scale=self.scale,

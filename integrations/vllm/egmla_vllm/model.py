@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from vllm.config import CacheConfig, VllmConfig
+from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import MLAAttention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -23,7 +23,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaMLP
 from vllm.sequence import IntermediateTensors
 
-from .attention import RebuildingAttention, latent_backend, prefill_backend
+from .attention import RebuildingAttention, latent_backend, prefill_backend, tail_padding
 from .config import EGMLAConfig
 
 
@@ -80,7 +80,8 @@ class EGMLAAttention(nn.Module):
     Gate off or on the latent: vLLM's `MLAAttention` (expanded prefill, absorbed decode). With `rope_key_heads`
     Hr > 1 the cached rope key is all Hr rope keys side by side (Hr * dr values), and each query head's rope query
     sits in its group's slot of an Hr * dr query (zeros elsewhere): the score is exact. Per-layer latent widths are
-    zero-padded to the widest (W^{UKV} padded with zero columns): exact too.
+    zero-padded to the widest (W^{UKV} padded with zero columns): exact too. Where vLLM's CPU latent kernels serve
+    (bf16, fp16), the rope keys and rope queries end in `tail_padding` zero columns: the row's width is theirs.
     Gate on K/V, or the RoPE-exact latent: `RebuildingAttention`, whose cache row also holds the token id (gate on
     K/V) and which rebuilds every cached key at every step (`rebuild`: gated, normed, and in "exact" mode the rope
     dims turned by each cached position, which is its slot in the request), and every value only with the gate on
@@ -151,14 +152,19 @@ class EGMLAAttention(nn.Module):
                     kv_width if self.caches_token_ids else self.kv_lora_rank, eps=config.rms_norm_eps
                 )
         self.register_buffer("rope_dims", torch.tensor(rotary_dims(config, layer_idx)), persistent=False)
-        self.attn = self.attention_layer(config, cache_config, prefix)
+        dtype = get_current_vllm_config().model_config.dtype
+        self.tail_padding = tail_padding(self.latent_width, self.tail_width, dtype, rebuilds=not self.absorbs)
+        self.attn = self.attention_layer(config, cache_config, prefix, dtype)
 
-    def attention_layer(self, config: EGMLAConfig, cache_config: CacheConfig | None, prefix: str) -> MLAAttention:
+    def attention_layer(
+        self, config: EGMLAConfig, cache_config: CacheConfig | None, prefix: str, dtype: torch.dtype
+    ) -> MLAAttention:
         layer = dict(
             num_heads=self.num_heads, scale=attention_scaling(config), qk_nope_head_dim=self.nope_dim,
-            qk_rope_head_dim=self.tail_width, v_head_dim=self.value_dim, q_lora_rank=self.q_lora_rank,
-            kv_lora_rank=self.latent_width, kv_b_proj=self.kv_b_proj, cache_config=cache_config, prefix=f"{prefix}.attn",
-            attn_backend=latent_backend(self.latent_width, self.tail_width, rebuilds=not self.absorbs),
+            qk_rope_head_dim=self.tail_width + self.tail_padding, v_head_dim=self.value_dim,
+            q_lora_rank=self.q_lora_rank, kv_lora_rank=self.latent_width, kv_b_proj=self.kv_b_proj,
+            cache_config=cache_config, prefix=f"{prefix}.attn",
+            attn_backend=latent_backend(self.latent_width, self.tail_width, dtype, rebuilds=not self.absorbs),
         )  # fmt: skip
         if not self.absorbs:
             up_values = None if self.caches_token_ids else self.up_values
@@ -257,6 +263,8 @@ class EGMLAAttention(nn.Module):
         else:  # each head's rope query in its group's slot of the Hr * dr rope key: [T, Hr, G, Hr, dr]
             slots = torch.eye(rope_heads, dtype=query.dtype, device=query.device)[None, :, None, :, None]
             query_rope = (query_rope.unsqueeze(3) * slots).reshape(tokens, heads, rope_heads * rope_dim)
+            padding = (0, self.tail_width + self.tail_padding - self.rope_width)
+            query_rope, rope_key = nn.functional.pad(query_rope, padding), nn.functional.pad(rope_key, padding)
         query = torch.cat([query[..., : self.nope_dim], query_rope], dim=-1)
         output = self.attn(
             query, self.latent(kv_latent, input_ids), rope_key, output_shape=(tokens, heads * self.value_dim)

@@ -65,6 +65,8 @@ TINY_FOLDERS = {
         rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0, "mscale_all_dim": 1.0,
                          "original_max_position_embeddings": 128},
     ),
+    # A row of 20 + 6 = 26: vLLM's CPU latent kernels (bf16) take it padded to 32.
+    "gate-off-odd-widths": dict(gate_embedding_dim=0, kv_lora_rank=20, qk_rope_head_dim=6),
 }  # fmt: skip
 
 
@@ -140,7 +142,12 @@ def qwen2_models() -> dict[str, EGMLAForCausalLM]:
 
 
 LONG_PROMPTS_FOLDERS = ["gate-latent", "gate-kv-two-rope-keys", "exact-gate-kv"]
-BFLOAT16_FOLDERS = ["gate-latent", "gate-kv-two-rope-keys"]
+# bf16: vLLM's CPU latent kernels for the absorbed modes (rows of 32, 40 padded to 64, 26 padded to 32), and the
+# rebuilding attention for the gate on K/V.
+BFLOAT16_FOLDERS = [
+    "gate-latent", "gate-latent-two-rope-keys-llama3", "gate-off-qlora-ranks-tied", "gate-off-odd-widths",
+    "gate-kv-two-rope-keys",
+]  # fmt: skip
 STORIES_PROMPTS = [[1, 403, 407, 261, 378], [1, 365, 2]]
 
 
@@ -187,6 +194,8 @@ def served(vllm_python, tmp_path_factory) -> dict[str, tuple[dict, EGMLAForCausa
     for name in LONG_PROMPTS_FOLDERS:  # over 16-token blocks, prefilled in chunks of 64, the prefix cache on
         add(f"long/{name}", with_random_norms(tiny_model(name)), long_prompts(), max_tokens=6, block_size=16,
             enable_prefix_caching=True, max_num_batched_tokens=64)  # fmt: skip
+    add("long-bfloat16/gate-off-odd-widths", with_random_norms(tiny_model("gate-off-odd-widths")), long_prompts(),
+        max_tokens=6, block_size=16, dtype="bfloat16")  # fmt: skip
     if STORIES260K.exists():
         for name, student in stories_models().items():
             add(f"stories/{name}", student, STORIES_PROMPTS, max_tokens=24, logprobs=1)
@@ -206,13 +215,17 @@ def result_of(served: dict, name: str) -> tuple[dict, EGMLAForCausalLM, list]:
     return result, model, prompts
 
 
-def expected_kv_bytes(config: EGMLAConfig) -> int:
+def expected_kv_bytes(config: EGMLAConfig, dtype: str = "float32") -> int:
     """The latent arithmetic: per layer the widest latent, every rope key and, with the gate on K/V, the token id
-    (2 base-256 digits for these vocabularies); fp32 (not the expanded K/V). A RoPE-exact latent without the gate on
-    K/V caches one zero value beside it (vLLM's MLA layer needs a rope key)."""
+    (2 base-256 digits for these vocabularies), not the expanded K/V. A RoPE-exact latent without the gate on K/V
+    caches one zero value beside it (vLLM's MLA layer needs a rope key). In bf16 the absorbed modes' rows are padded
+    with zeros to a multiple of 32 values (vLLM's CPU latent kernels)."""
     ranks = config.kv_lora_rank if isinstance(config.kv_lora_rank, list) else [config.kv_lora_rank]
     tail = (config.rope_key_width + (2 if config.caches_token_ids else 0)) or 1  # one zero: vLLM needs a rope key
-    return config.num_hidden_layers * (max(ranks) + tail) * 4
+    width = max(ranks) + tail
+    if dtype == "bfloat16" and config.absorbs:
+        width = -(-width // 32) * 32
+    return config.num_hidden_layers * width * (4 if dtype == "float32" else 2)
 
 
 def assert_logprobs_agree(model, prompts, served, tolerance: float = 2e-3) -> None:
@@ -249,7 +262,16 @@ def test_bfloat16_serving_stays_near_float32(served, name):
     """In bfloat16 (the cache too) the logprobs stay within bfloat16's rounding of transformers' float32 ones."""
     result, model, prompts = result_of(served, f"bfloat16/{name}")
     assert_logprobs_agree(model, prompts, result, tolerance=0.15)
-    assert result["kv_bytes_per_token"] == expected_kv_bytes(model.config) // 2
+    assert result["kv_bytes_per_token"] == expected_kv_bytes(model.config, "bfloat16")
+
+
+def test_bfloat16_long_prompts_over_many_blocks_stay_near_float32(served):
+    """A 150-token prompt and a second one over 16-token blocks in bf16, through vLLM's CPU latent kernels (the
+    prefill absorbed over the paged cache, the row padded from 26 to 32 values): transformers' logprobs within
+    bfloat16's rounding."""
+    result, model, prompts = result_of(served, "long-bfloat16/gate-off-odd-widths")
+    assert_logprobs_agree(model, prompts, result, tolerance=0.15)
+    assert result["kv_bytes_per_token"] == expected_kv_bytes(model.config, "bfloat16")
 
 
 @pytest.mark.parametrize("name", ["latent-shared", "off-per-head", "kv", "exact-kv"])
