@@ -192,7 +192,7 @@ def converted_bench(args: argparse.Namespace) -> "converted.ConvertedBench":
     text = args.train_text or converted.ConvertedBench.text
     repetitions = args.repetitions or converted.ConvertedBench.repetitions
     return converted.ConvertedBench(
-        args.models[0], args.models[1:], cells, text, repetitions, compiled=not args.no_compile
+        args.models[0], args.models[1:], cells, text, repetitions, compiled=not args.no_compile, dtype=args.dtype
     )
 
 
@@ -351,6 +351,9 @@ def add_bench(commands) -> None:
         "--cells", nargs="+", default=None, help="converted: BATCHxCONTEXT cells (default 1x512 1x2048 8x2048 8x4096)"
     )
     bench.add_argument("--no-compile", action="store_true", help="converted: default paths only")
+    bench.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="converted: every model's weights and cache"
+    )
     bench.add_argument("--results", type=Path, default=Path("benchmarks/results"), help="JSON results folder")
     bench.add_argument("--quick", action="store_true", help="toy sizes, seconds (what the tests run)")
     bench.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096], help="decode: context lengths")

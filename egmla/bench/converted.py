@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 from ..conversion.source import load_llama, load_tokenizer
 from ..data import EXCERPT
 from ..modeling_egmla import cache_nbytes
+from ..options import Placement
 from ..text import read_documents, token_blocks
 from .decode import DecodeState, median_ms, ratio_grid
 
@@ -34,14 +35,15 @@ class ConvertedBench:
     repetitions: int = 3
     steps: int = 2  # timed steps per repetition
     compiled: bool = True  # also time each model compiled over a static cache
+    dtype: str = "float32"  # every model's weights and cache: float32 or bfloat16 (how CPU users serve)
     names: list[str] = field(default_factory=list)  # filled by `load_models`
 
 
 def load_models(bench: ConvertedBench) -> dict[str, torch.nn.Module]:
-    """The source (as the conversion read it: float32) and every converted folder, named by folder."""
-    models = {"source": load_llama(bench.source)}
+    """The source and every converted folder (named by folder), all in the bench's dtype, on the CPU."""
+    models = {"source": load_llama(bench.source, Placement(device="cpu", dtype=bench.dtype))}
     for folder in bench.converted:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, bench.dtype)).eval()
         models[Path(folder).name] = model
     bench.names = list(models)
     return models
@@ -148,7 +150,8 @@ def run_converted(bench: ConvertedBench) -> dict:
     grid, budget = measure_cells(models, bench)
     grid.sort(key=lambda row: (row["batch"], row["context"]))  # measured longest first per batch, shown in order
     result = {"source": bench.source, "converted": bench.converted, "text": str(bench.text), "grid": grid,
-              "threads": torch.get_num_threads(), "repetitions": bench.repetitions, "steps": bench.steps}  # fmt: skip
+              "threads": torch.get_num_threads(), "repetitions": bench.repetitions, "steps": bench.steps,
+              "dtype": bench.dtype}  # fmt: skip
     if budget:
         result["budget"] = measure_budget(models, budget, bench)
     return result
@@ -161,8 +164,9 @@ def converted_table(result: dict) -> list[str]:
 
 def print_converted(result: dict) -> None:
     print(
-        f"\ndecode ms/step continuing real text ({result['threads']} threads, medians of {result['repetitions']} "
-        f"interleaved repetitions x {result['steps']} steps), ratio to the source's default path"
+        f"\ndecode ms/step continuing real text ({result.get('dtype', 'float32')}, {result['threads']} threads, "
+        f"medians of {result['repetitions']} interleaved repetitions x {result['steps']} steps), ratio to the "
+        "source's default path"
     )
     print("\n".join(converted_table(result)))
     if "budget" not in result:

@@ -15,9 +15,9 @@ from typing import ClassVar
 import torch
 from vllm.model_executor.layers.attention import MLAAttention
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, MLACommonMetadataBuilder
+from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionLayer, MultipleOf
-from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
 from vllm.v1.attention.backends.mla.amx_mla import AMXMLAMetadataBuilder
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
@@ -275,7 +275,9 @@ class EGMLAPrefillBackend(CPUSDPAMLAPrefillBackend):
         query, request, place = padded_queries(q, starts)  # [R, S, heads, d]
         key, value = padded_queries(k, starts)[0], padded_queries(v, starts)[0]
         positions = torch.arange(query.shape[1], device=q.device)
-        mask = (positions[None, None, :] <= positions[None, :, None]) & (positions[None, None, :] < lengths[:, None, None])
+        mask = (positions[None, None, :] <= positions[None, :, None]) & (
+            positions[None, None, :] < lengths[:, None, None]
+        )
         attended = torch.nn.functional.scaled_dot_product_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None],
             scale=self.scale,

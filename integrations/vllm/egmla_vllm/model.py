@@ -185,6 +185,8 @@ class EGMLAAttention(nn.Module):
             kv_latent = kv_latent * (1 + self.gate_embedding_proj(self.gate_table(input_ids))[0])
             if self.gate_norm is not None:
                 kv_latent = self.gate_norm(kv_latent)
+        if self.latent_width == self.kv_lora_rank:
+            return kv_latent
         return nn.functional.pad(kv_latent, (0, self.latent_width - self.kv_lora_rank))
 
     def rebuild(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,13 +248,14 @@ class EGMLAAttention(nn.Module):
     def forward(
         self, rotary: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor, input_ids: torch.Tensor
     ) -> torch.Tensor:
+        """rotary: this layer's cos, sin [T, Hr, 1, dr] (`EGMLAModel.layer_rotary`)."""
         tokens = hidden_states.shape[0]
         heads, rope_heads, rope_dim = self.num_heads, self.rope_key_heads, self.rope_dim
         query = self.project_query(hidden_states).view(tokens, heads, self.nope_dim + rope_dim)
         kv_latent, rope_key = self.kv_a_proj_with_mqa(hidden_states)[0].split(
             [self.kv_lora_rank, self.rope_width], dim=-1
         )
-        cos, sin = (part[:, self.rope_dims].unsqueeze(2) for part in rotary)  # [T, Hr, 1, dr]
+        cos, sin = rotary
         query_rope = rotate(query[..., self.nope_dim :].reshape(tokens, rope_heads, -1, rope_dim), cos, sin)
         if not self.exact_rope:
             rope_key = rotate(rope_key.view(tokens, rope_heads, 1, rope_dim), cos, sin)
@@ -260,9 +263,12 @@ class EGMLAAttention(nn.Module):
         if not self.absorbs:  # the queries keep their own rope dims; the cache row ends with the tail
             query_rope = query_rope.reshape(tokens, heads, rope_dim)
             rope_key = self.cache_tail(rope_key, input_ids)
-        else:  # each head's rope query in its group's slot of the Hr * dr rope key: [T, Hr, G, Hr, dr]
+        elif rope_heads > 1:  # each head's rope query in its group's slot of the Hr * dr rope key: [T, Hr, G, Hr, dr]
             slots = torch.eye(rope_heads, dtype=query.dtype, device=query.device)[None, :, None, :, None]
             query_rope = (query_rope.unsqueeze(3) * slots).reshape(tokens, heads, rope_heads * rope_dim)
+        else:
+            query_rope = query_rope.reshape(tokens, heads, rope_dim)
+        if self.absorbs and self.tail_padding:
             padding = (0, self.tail_width + self.tail_padding - self.rope_width)
             query_rope, rope_key = nn.functional.pad(query_rope, padding), nn.functional.pad(rope_key, padding)
         query = torch.cat([query[..., : self.nope_dim], query_rope], dim=-1)
@@ -290,9 +296,17 @@ class EGMLADecoderLayer(nn.Module):
             config.hidden_size, config.intermediate_size, config.hidden_act, quant_config, prefix=f"{prefix}.mlp"
         )
 
-    def forward(self, rotary, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(rotary, self.input_layernorm(hidden_states), input_ids)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    def forward(
+        self, rotary, hidden_states: torch.Tensor, residual: torch.Tensor | None, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output and the residual stream before it, as vLLM's Llama (norms fused with the adds)."""
+        if residual is None:
+            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(rotary, hidden_states, input_ids)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class EGMLAModel(nn.Module):
@@ -317,13 +331,19 @@ class EGMLAModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )  # fmt: skip
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        layer_dims = [rotary_dims(config, i) for i in range(config.num_hidden_layers)]
+        self.register_buffer("layer_rope_dims", torch.tensor(layer_dims), persistent=False)  # [L, Hr, dr]
+
+    def layer_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's cos, sin [T, L, Hr, 1, dr] of its rope keys' own frequencies, gathered once per step."""
+        return tuple(part.to(dtype)[:, self.layer_rope_dims].unsqueeze(3) for part in self.rotary(positions))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        rotary = tuple(part.to(hidden_states.dtype) for part in self.rotary(positions))  # the model's dtype
-        for layer in self.layers:
-            hidden_states = layer(rotary, hidden_states, input_ids)
-        return self.norm(hidden_states)
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        cos, sin = self.layer_rotary(positions, hidden_states.dtype)  # the model's dtype
+        for index, layer in enumerate(self.layers):
+            hidden_states, residual = layer((cos[:, index], sin[:, index]), hidden_states, residual, input_ids)
+        return self.norm(hidden_states, residual)[0]
 
 
 class EGMLAForCausalLM(nn.Module):
