@@ -15,7 +15,6 @@ from typing import ClassVar
 import torch
 from vllm.model_executor.layers.attention import MLAAttention
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, MLACommonMetadataBuilder
-from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionLayer, MultipleOf
 from vllm.v1.attention.backends.mla.amx_mla import AMXMLAMetadataBuilder
@@ -155,73 +154,57 @@ class EGMLALatentKernelMetadataBuilder(EGMLAMLAMetadataBuilder, AMXMLAMetadataBu
 
 
 class EGMLALatentKernelBackend(EGMLACPUMLABackend):
+    """The cache and its writes as `EGMLACPUMLABackend`, the metadata for vLLM's CPU latent kernels
+    (`LatentKernelAttention` runs them)."""
+
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
 
     @staticmethod
     def get_builder_cls() -> type[EGMLALatentKernelMetadataBuilder]:
         return EGMLALatentKernelMetadataBuilder
 
-    @staticmethod
-    def get_impl_cls() -> type["EGMLALatentKernelImpl"]:
-        return EGMLALatentKernelImpl
 
+class LatentKernelAttention(MLAAttention):
+    """vLLM's MLA layer (its cache spec and cache writes) for queries the model has already absorbed: W^{UK} is in
+    the query's projection and W^{UV} in the output's, so every new token, in a prompt or a decode, attends over
+    its request's cached rows by vLLM's CPU latent kernels, which read the paged cache in place. The query
+    [T, H, D] = [q W^{UK} ; rope query ; zeros] meets rows [latent ; rope key ; zeros]; the values are the rows'
+    first `value_width` columns (the latent, then columns dropped after). Returns the attended latents [T, H * r].
+    """
 
-class EGMLALatentKernelImpl(EGMLACPUMLAImpl):
-    """Decode and prefill both absorbed (MQA over the cached latent rows) by vLLM's CPU latent kernels, which read
-    the paged cache in place: q [N, H, D] = [q W^{UK} ; rope query ; zeros] against rows [latent ; rope key ;
-    zeros], the values the rows' first `value_width` columns (the latent, then columns the result drops)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.value_width = -(-self.kv_lora_rank // LATENT_KERNEL_ALIGNMENT) * LATENT_KERNEL_ALIGNMENT
-        self.up_keys_t = self.up_values = None
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        """W^{UK}ᵀ [H, dn, r] and W^{UV} [H, r, dv] for the prefill (`forward_mha` is not handed the layer)."""
-        weight = get_and_maybe_dequant_weights(self.kv_b_proj, out_dtype=act_dtype).T  # [r, H * (dn + dv)]
-        weight = weight.view(self.kv_lora_rank, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
-        up_keys, up_values = weight.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        self.up_keys_t = up_keys.permute(1, 2, 0).contiguous()
-        self.up_values = up_values.transpose(0, 1).contiguous()
+        """Nothing to split: the model folded W^{UKV} into its projections."""
 
-    def attend_latents(self, query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache as the kernels read it ([slots, 1, D] and its value columns) and an output [N, H, value]."""
-        rows = kv_cache.view(-1, 1, kv_cache.shape[-1])
-        output = query.new_empty(query.shape[0], self.num_heads, self.value_width)
-        return rows, output
-
-    def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer) -> tuple[torch.Tensor, None]:
-        """One new token per request: q [B, H, D] (W^{UK} absorbed) -> the attended latent [B, H, r]."""
-        if isinstance(q, tuple):
-            q = torch.cat(q, dim=-1)
-        decode = attn_metadata.decode
-        rows, output = self.attend_latents(q, kv_c_and_k_pe_cache)
-        partials = torch.zeros(  # each head's partial sums and log-sum-exp per split of a long context
-            q.shape[0], self.num_heads, decode.num_kv_splits, self.value_width + 1, dtype=torch.float32
-        )
-        torch.ops._C.decode_attention_cpu(
-            q, rows, rows[..., : self.value_width], output, None, None, None, partials, decode.req_to_token,
-            decode.req_pool_indices, decode.seq_lens_i64, self.scale, 0.0, False, 0, None, None,
-        )  # fmt: skip
-        return output[..., : self.kv_lora_rank].contiguous(), None
-
-    def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
-                    output_scale=None) -> None:  # fmt: skip
-        """The prompts' new tokens q [N, H, dn + tail], absorbed, over their requests' cached rows (which already
-        hold them, causal), written to output [N, H * dv]."""
-        prefill = attn_metadata.prefill
-        tokens = q.shape[0]
-        q_nope, q_tail = q.split([self.qk_nope_head_dim, q.shape[-1] - self.qk_nope_head_dim], dim=-1)
-        query = torch.cat([torch.bmm(q_nope.transpose(0, 1), self.up_keys_t).transpose(0, 1), q_tail], dim=-1)
-        new_rows = torch.cat([kv_c_normed, k_pe.view(tokens, -1)], dim=-1)[:, None]  # [N, 1, D]
-        rows, attended = self.attend_latents(query, kv_c_and_k_pe_cache)
-        torch.ops._C.extend_attention_cpu(
-            query, new_rows, new_rows[..., : self.value_width], attended, rows, rows[..., : self.value_width],
-            prefill.req_to_token, prefill.req_pool_indices, prefill.cpu_seq_lens, prefill.extend_seq_lens,
-            prefill.extend_start_loc, prefill.max_len_extend, self.scale, 0.0, False, 0, None, None, None,
-        )  # fmt: skip
-        values = output.view(tokens, self.num_heads, self.v_head_dim).transpose(0, 1)
-        torch.bmm(attended[..., : self.kv_lora_rank].transpose(0, 1), self.up_values, out=values)
+    def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, **kwargs) -> torch.Tensor:
+        if attn_metadata is None:  # the profile run
+            return output.fill_(0)
+        tokens, decodes = attn_metadata.num_actual_tokens, attn_metadata.num_decode_tokens
+        rows = kv_cache.view(-1, 1, kv_cache.shape[-1])  # [slots, 1, D]
+        values = rows[..., : self.value_width]
+        attended = q.new_empty(tokens, self.num_heads, self.value_width)
+        if decodes:
+            decode = attn_metadata.decode
+            partials = torch.zeros(  # each head's partial sums and log-sum-exp per split of a long context
+                decodes, self.num_heads, decode.num_kv_splits, self.value_width + 1, dtype=torch.float32
+            )
+            torch.ops._C.decode_attention_cpu(
+                q[:decodes], rows, values, attended[:decodes], None, None, None, partials, decode.req_to_token,
+                decode.req_pool_indices, decode.seq_lens_i64, self.scale, 0.0, False, 0, None, None,
+            )  # fmt: skip
+        if tokens > decodes:  # the prompts' new tokens, causal, beside their cached context
+            prefill = attn_metadata.prefill
+            new_rows = torch.cat([k_c_normed[decodes:tokens], k_pe[decodes:tokens, 0]], dim=-1)[:, None]
+            torch.ops._C.extend_attention_cpu(
+                q[decodes:tokens], new_rows, new_rows[..., : self.value_width], attended[decodes:], rows, values,
+                prefill.req_to_token, prefill.req_pool_indices, prefill.cpu_seq_lens, prefill.extend_seq_lens,
+                prefill.extend_start_loc, prefill.max_len_extend, self.scale, 0.0, False, 0, None, None, None,
+            )  # fmt: skip
+        output[:tokens].view(tokens, self.num_heads, -1).copy_(attended[..., : self.kv_lora_rank])
+        return output
 
 
 def request_rows(

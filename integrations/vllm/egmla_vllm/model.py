@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import MLAAttention
@@ -23,7 +24,14 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaMLP
 from vllm.sequence import IntermediateTensors
 
-from .attention import RebuildingAttention, latent_backend, prefill_backend, tail_padding
+from .attention import (
+    LatentKernelAttention,
+    RebuildingAttention,
+    latent_backend,
+    latent_kernels,
+    prefill_backend,
+    tail_padding,
+)
 from .config import EGMLAConfig
 
 
@@ -113,7 +121,13 @@ class EGMLAAttention(nn.Module):
         )
         # The model's own modules, shared (their parameters keep the model's names: registered there first).
         self.gate_table, self.rotary = gate_table, rotary
-        head_width = self.nope_dim + self.rope_dim
+        dtype = get_current_vllm_config().model_config.dtype
+        # Where vLLM's CPU latent kernels serve, W^{UK} is folded into the query's projection and W^{UV} into the
+        # output's at load (`absorb_weights`): each query head is [q W^{UK} (r) ; rope query], the output reads
+        # every head's attended latent.
+        self.absorbed = self.absorbs and latent_kernels(dtype)
+        self.query_nope_dim = self.latent_width if self.absorbed else self.nope_dim
+        head_width = self.query_nope_dim + self.rope_dim
         if self.q_lora_rank is None:
             self.q_proj = ReplicatedLinear(
                 config.hidden_size, self.num_heads * head_width, bias=config.attention_bias, prefix=f"{prefix}.q_proj"
@@ -138,9 +152,11 @@ class EGMLAAttention(nn.Module):
         self.kv_b_proj = ReplicatedLinear(
             self.latent_width, self.key_heads * kv_width, bias=False, prefix=f"{prefix}.kv_b_proj"
         )
+        self.attended_width = self.latent_width if self.absorbed else self.value_dim
         self.o_proj = ReplicatedLinear(
-            self.num_heads * self.value_dim, config.hidden_size, bias=config.attention_bias, prefix=f"{prefix}.o_proj"
-        )
+            self.num_heads * self.attended_width, config.hidden_size, bias=config.attention_bias,
+            prefix=f"{prefix}.o_proj",
+        )  # fmt: skip
         self.gate_embedding_proj = self.gate_norm = None
         if config.gate_enabled:  # W^{UE} onto the latent, or onto every head's keys and values
             gated_width = self.key_heads * kv_width if self.caches_token_ids else self.kv_lora_rank
@@ -152,7 +168,6 @@ class EGMLAAttention(nn.Module):
                     kv_width if self.caches_token_ids else self.kv_lora_rank, eps=config.rms_norm_eps
                 )
         self.register_buffer("rope_dims", torch.tensor(rotary_dims(config, layer_idx)), persistent=False)
-        dtype = get_current_vllm_config().model_config.dtype
         self.tail_padding = tail_padding(self.latent_width, self.tail_width, dtype, rebuilds=not self.absorbs)
         self.attn = self.attention_layer(config, cache_config, prefix, dtype)
 
@@ -169,7 +184,37 @@ class EGMLAAttention(nn.Module):
         if not self.absorbs:
             up_values = None if self.caches_token_ids else self.up_values
             return RebuildingAttention(self.rebuild, up_values, **layer)
+        if self.absorbed:
+            return LatentKernelAttention(**layer)
         return MLAAttention(**layer, prefill_backend_cls=prefill_backend())
+
+    def absorb_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint's query projection ("query", and its "query_bias"), W^{UKV} per query head at the cache's
+        latent width ("up"), and output projection ("output") -> the absorbed ones: rows [H, r + dr] = [W^{UK}ᵀ
+        W_nope ; W_rope] per head, and the output [hidden, H * r] = W_o W^{UV} per head (in fp32, exact up to the
+        dtype's rounding)."""
+        heads, nope, rope = self.num_heads, self.nope_dim, self.rope_dim
+        up_keys, up_values = (
+            weights["up"].float().view(heads, nope + self.value_dim, -1).split([nope, self.value_dim], 1)
+        )
+        query = weights["query"].float().view(heads, nope + rope, -1)
+        absorbed = {"query": torch.cat([torch.einsum("hdr,hdi->hri", up_keys, query[:, :nope]), query[:, nope:]], 1)}
+        if "query_bias" in weights:
+            bias = weights["query_bias"].float().view(heads, nope + rope)
+            absorbed["query_bias"] = torch.cat([torch.einsum("hdr,hd->hr", up_keys, bias[:, :nope]), bias[:, nope:]], 1)
+        output = weights["output"].float().view(-1, heads, self.value_dim)
+        absorbed["output"] = torch.einsum("ohv,hvr->ohr", output, up_values)
+        return {
+            name: weight.flatten(0, 1) if name != "output" else weight.flatten(1) for name, weight in absorbed.items()
+        }
+
+    def load_absorbed(self, weights: dict[str, torch.Tensor]) -> None:
+        """Loads the projections `absorb_weights` builds from the checkpoint's `weights`."""
+        query = self.q_proj if self.q_lora_rank is None else self.q_b_proj
+        targets = {"query": query.weight, "query_bias": query.bias, "output": self.o_proj.weight}
+        for name, weight in self.absorb_weights(weights).items():
+            param = targets[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, weight.to(param.dtype))
 
     def project_query(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank is None:
@@ -251,12 +296,13 @@ class EGMLAAttention(nn.Module):
         """rotary: this layer's cos, sin [T, Hr, 1, dr] (`EGMLAModel.layer_rotary`)."""
         tokens = hidden_states.shape[0]
         heads, rope_heads, rope_dim = self.num_heads, self.rope_key_heads, self.rope_dim
-        query = self.project_query(hidden_states).view(tokens, heads, self.nope_dim + rope_dim)
+        nope = self.query_nope_dim
+        query = self.project_query(hidden_states).view(tokens, heads, nope + rope_dim)
         kv_latent, rope_key = self.kv_a_proj_with_mqa(hidden_states)[0].split(
             [self.kv_lora_rank, self.rope_width], dim=-1
         )
         cos, sin = rotary
-        query_rope = rotate(query[..., self.nope_dim :].reshape(tokens, rope_heads, -1, rope_dim), cos, sin)
+        query_rope = rotate(query[..., nope:].reshape(tokens, rope_heads, -1, rope_dim), cos, sin)
         if not self.exact_rope:
             rope_key = rotate(rope_key.view(tokens, rope_heads, 1, rope_dim), cos, sin)
         rope_key = rope_key.reshape(tokens, 1, -1)
@@ -271,11 +317,18 @@ class EGMLAAttention(nn.Module):
         if self.absorbs and self.tail_padding:
             padding = (0, self.tail_width + self.tail_padding - self.rope_width)
             query_rope, rope_key = nn.functional.pad(query_rope, padding), nn.functional.pad(rope_key, padding)
-        query = torch.cat([query[..., : self.nope_dim], query_rope], dim=-1)
+        query = torch.cat([query[..., :nope], query_rope], dim=-1)
         output = self.attn(
-            query, self.latent(kv_latent, input_ids), rope_key, output_shape=(tokens, heads * self.value_dim)
+            query, self.latent(kv_latent, input_ids), rope_key, output_shape=(tokens, heads * self.attended_width)
         )
         return self.o_proj(output)[0]
+
+
+# A layer's checkpoint weights that its absorbed projections are built from (`EGMLAAttention.absorb_weights`).
+ABSORBED_PARTS = {
+    "q_proj.weight": "query", "q_b_proj.weight": "query", "q_proj.bias": "query_bias", "o_proj.weight": "output",
+    "kv_b_proj.weight": "up",
+}  # fmt: skip
 
 
 def per_query_head(weight: torch.Tensor, config: EGMLAConfig) -> torch.Tensor:
@@ -309,6 +362,7 @@ class EGMLADecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+@support_torch_compile  # compiled unless `enforce_eager`, as vLLM's Llama; the attention stays one opaque op
 class EGMLAModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -379,12 +433,14 @@ class EGMLAForCausalLM(nn.Module):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The egmla checkpoint's names as they are; gate_proj/up_proj go into vLLM's merged gate_up_proj."""
+        """The egmla checkpoint's names as they are; gate_proj/up_proj go into vLLM's merged gate_up_proj; where a
+        layer absorbs W^{UKV} into its projections, their checkpoint weights are gathered and absorbed at the end."""
         params = dict(self.named_parameters())
-        loaded = set()
+        loaded, absorbed = set(), {}
         for name, weight in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            loaded.add(name)
             for shard_id, source in enumerate(("gate_proj", "up_proj")):
                 if f".mlp.{source}." in name:
                     name = name.replace(f".mlp.{source}.", ".mlp.gate_up_proj.")
@@ -396,6 +452,13 @@ class EGMLAForCausalLM(nn.Module):
                     weight = nn.functional.pad(weight, (0, param.shape[1] - weight.shape[1]))  # padded latent
                 if name.endswith("kv_b_proj.weight") and weight.shape[0] < param.shape[0]:
                     weight = per_query_head(weight, self.config)  # vLLM's absorbed MLA: one key head per query head
+                layer, _, part = name.partition(".self_attn.")
+                attention = self.get_submodule(f"{layer}.self_attn") if part else None
+                if attention is not None and attention.absorbed and part in ABSORBED_PARTS:
+                    absorbed.setdefault(attention, {})[ABSORBED_PARTS[part]] = weight
+                    if part != "kv_b_proj.weight":
+                        continue
                 getattr(param, "weight_loader", default_weight_loader)(param, weight)
-            loaded.add(name)
+        for attention, parts in absorbed.items():
+            attention.load_absorbed(parts)
         return loaded

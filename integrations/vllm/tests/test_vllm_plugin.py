@@ -201,6 +201,8 @@ def served(vllm_python, tmp_path_factory) -> dict[str, tuple[dict, EGMLAForCausa
             add(f"stories/{name}", student, STORIES_PROMPTS, max_tokens=24, logprobs=1)
     for name, student in qwen2_models().items():
         add(f"qwen2/{name}", student, PROMPTS, max_tokens=12)
+    add("bfloat16/qwen2-shared", models["qwen2/shared"][0], PROMPTS, folder=Path(requests["qwen2/shared"]["folder"]),
+        dtype="bfloat16")  # fmt: skip
     torch.manual_seed(0)
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     add("dynamic-rope", EGMLAForCausalLM(EGMLAConfig(**TINY, rope_parameters=dynamic)), PROMPTS)
@@ -295,6 +297,13 @@ def test_a_converted_qwen2_gives_transformers_greedy_tokens(served, name):
             expected = student.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :]
         assert tokens == expected.tolist()[: len(tokens)] and len(tokens) > 0
     assert_logprobs_agree(student, prompts, result)
+
+
+def test_a_converted_qwen2_in_bfloat16_keeps_its_biases_through_the_absorbed_projections(served):
+    """In bf16 the query's projection absorbs W^{UK} (its bias too) and the output's W^{UV}: the logprobs stay
+    within bfloat16's rounding of transformers' float32 ones."""
+    result, student, prompts = result_of(served, "bfloat16/qwen2-shared")
+    assert_logprobs_agree(student, prompts, result, tolerance=0.15)
 
 
 def test_an_unserved_rope_type_is_refused_by_name(served):
