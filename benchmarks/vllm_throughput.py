@@ -12,7 +12,8 @@ greedy tokens, ignoring the end-of-text token, under the same `VLLM_CPU_KVCACHE_
 generated tokens over the whole `generate` call, prompts' prefill included; the prefill alone is timed before it
 (the same prompts, one new token each, the prefix cache emptied around it) and its share of the call is printed,
 with the tokens/s after it ("-" where the prefill is nearly the whole call), the most sequences running at once
-and the preemptions. Each round runs all engines of a cell one after another in one worker process (vLLM's start-up
+and the preemptions. Engines run as `LLM(FOLDER)` does by default, compiled by torch.compile (`--eager`: not). Each
+round runs all engines of a cell one after another in one worker process (vLLM's start-up
 is paid once per round), `--rounds` rounds; the medians and their ratios to the source are printed.
 """
 
@@ -86,6 +87,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="also write every cell's rows (the medians) here")
+    parser.add_argument(
+        "--eager", action="store_true", help="enforce_eager (no torch.compile): faster start, not vLLM's default"
+    )
     args = parser.parse_args()
     python, source = os.environ["EGMLA_VLLM_PYTHON"], args.source or smollm2_gguf()
     rows = []
@@ -99,7 +103,7 @@ def main() -> None:
                     name: {
                         "folder": str(folder), "prompts": prompts, "max_tokens": args.max_tokens, "logprobs": 0,
                         "max_model_len": length + args.max_tokens, "max_num_seqs": count, "time_prefill": True,
-                        "dtype": dtype, "ignore_eos": True,
+                        "dtype": dtype, "ignore_eos": True, "enforce_eager": args.eager,
                     }
                     for name, folder in folders.items()
                 }  # fmt: skip

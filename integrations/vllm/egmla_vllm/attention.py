@@ -122,6 +122,16 @@ class EGMLACPUMLAImpl(CPUMLAImpl):
         # At its own head count, vLLM's MLA layer writes W^{UK}'s product into a contiguous buffer, not a transposed view.
         self.q_pad_num_heads = self.num_heads
 
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
+        """The new tokens' rows [latent ; tail] written to their slots in one copy (slot -1: padding, skipped)."""
+        if kv_cache.numel() == 0:
+            return
+        rows = torch.cat([kv_c_normed, k_pe.flatten(1)], dim=-1).to(kv_cache.dtype)
+        slots = slot_mapping.flatten().to(torch.long)
+        if bool((slots < 0).any()):
+            rows, slots = rows[slots >= 0], slots[slots >= 0]
+        kv_cache.view(-1, rows.shape[-1]).index_copy_(0, slots, rows)
+
     def forward_mqa(
         self,
         q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],

@@ -64,7 +64,7 @@ def serve(request: dict) -> dict:
         dtype=request.get("dtype", "float32"),
         max_model_len=request.get("max_model_len", 256),
         max_num_seqs=request.get("max_num_seqs", 4),
-        enforce_eager=True,
+        enforce_eager=request.get("enforce_eager", True),  # the tests: no compile; a benchmark: vLLM's default
         seed=0,
         **engine,
     )
