@@ -42,6 +42,11 @@ def latent_kernels(dtype: torch.dtype) -> bool:
     )
 
 
+def latent_value_width(latent_width: int) -> int:
+    """The value columns vLLM's CPU latent kernels read and write: the latent's, rounded up to their alignment."""
+    return -(-latent_width // LATENT_KERNEL_ALIGNMENT) * LATENT_KERNEL_ALIGNMENT
+
+
 def tail_padding(latent_width: int, tail_width: int, dtype: torch.dtype, rebuilds: bool = False) -> int:
     """The zero columns after the cache row's tail that make the row fit vLLM's CPU latent kernels (0 where they do
     not serve: fp32, a GPU, or keys rebuilt from the cache)."""
@@ -179,12 +184,13 @@ class LatentKernelAttention(MLAAttention):
     the query's projection and W^{UV} in the output's, so every new token, in a prompt or a decode, attends over
     its request's cached rows by vLLM's CPU latent kernels, which read the paged cache in place. The query
     [T, H, D] = [q W^{UK} ; rope query ; zeros] meets rows [latent ; rope key ; zeros]; the values are the rows'
-    first `value_width` columns (the latent, then columns dropped after). Returns the attended latents [T, H * r].
+    first `value_width` columns (the latent, then columns the output's projection gives zero weight). Returns the
+    attended rows [T, H * value_width].
     """
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.value_width = -(-self.kv_lora_rank // LATENT_KERNEL_ALIGNMENT) * LATENT_KERNEL_ALIGNMENT
+        self.value_width = latent_value_width(self.kv_lora_rank)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """Nothing to split: the model folded W^{UKV} into its projections."""
@@ -195,7 +201,7 @@ class LatentKernelAttention(MLAAttention):
         tokens, decodes = attn_metadata.num_actual_tokens, attn_metadata.num_decode_tokens
         rows = kv_cache.view(-1, 1, kv_cache.shape[-1])  # [slots, 1, D]
         values = rows[..., : self.value_width]
-        attended = q.new_empty(tokens, self.num_heads, self.value_width)
+        attended = output[:tokens].view(tokens, self.num_heads, self.value_width)
         if decodes:
             decode = attn_metadata.decode
             partials = torch.zeros(  # each head's partial sums and log-sum-exp per split of a long context
@@ -213,7 +219,6 @@ class LatentKernelAttention(MLAAttention):
                 prefill.req_to_token, prefill.req_pool_indices, prefill.cpu_seq_lens, prefill.extend_seq_lens,
                 prefill.extend_start_loc, prefill.max_len_extend, self.scale, 0.0, False, 0, None, None, None,
             )  # fmt: skip
-        output[:tokens].view(tokens, self.num_heads, -1).copy_(attended[..., : self.kv_lora_rank])
         return output
 
 

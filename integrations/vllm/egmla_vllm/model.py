@@ -29,6 +29,7 @@ from .attention import (
     RebuildingAttention,
     latent_backend,
     latent_kernels,
+    latent_value_width,
     prefill_backend,
     tail_padding,
 )
@@ -128,10 +129,14 @@ class EGMLAAttention(nn.Module):
         self.absorbed = self.absorbs and latent_kernels(dtype)
         self.query_nope_dim = self.latent_width if self.absorbed else self.nope_dim
         head_width = self.query_nope_dim + self.rope_dim
+        # Absorbed without a low-rank query, the query's and the latent's projections are one product (`q_proj`).
+        self.fused_latent = self.absorbed and self.q_lora_rank is None
+        self.latent_proj_width = self.kv_lora_rank + self.rope_width
         if self.q_lora_rank is None:
             self.q_proj = ReplicatedLinear(
-                config.hidden_size, self.num_heads * head_width, bias=config.attention_bias, prefix=f"{prefix}.q_proj"
-            )
+                config.hidden_size, self.num_heads * head_width + (self.latent_proj_width if self.fused_latent else 0),
+                bias=config.attention_bias, prefix=f"{prefix}.q_proj",
+            )  # fmt: skip
         else:
             self.q_a_proj = ReplicatedLinear(
                 config.hidden_size, self.q_lora_rank, bias=config.attention_bias, prefix=f"{prefix}.q_a_proj"
@@ -140,19 +145,19 @@ class EGMLAAttention(nn.Module):
             self.q_b_proj = ReplicatedLinear(
                 self.q_lora_rank, self.num_heads * head_width, bias=False, prefix=f"{prefix}.q_b_proj"
             )
-        self.kv_a_proj_with_mqa = ReplicatedLinear(
-            config.hidden_size,
-            self.kv_lora_rank + self.rope_width,
-            bias=config.attention_bias,
-            prefix=f"{prefix}.kv_a_proj_with_mqa",
-        )
+        if not self.fused_latent:
+            self.kv_a_proj_with_mqa = ReplicatedLinear(
+                config.hidden_size, self.latent_proj_width, bias=config.attention_bias,
+                prefix=f"{prefix}.kv_a_proj_with_mqa",
+            )  # fmt: skip
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_latent_norm else None
         kv_width = self.rebuilt_key_dim + self.value_dim
         # Built at the padded width: the loader pads the checkpoint's [H*(dn+dv), r] with zero columns.
         self.kv_b_proj = ReplicatedLinear(
             self.latent_width, self.key_heads * kv_width, bias=False, prefix=f"{prefix}.kv_b_proj"
         )
-        self.attended_width = self.latent_width if self.absorbed else self.value_dim
+        # Absorbed: the output's projection reads every head's attended row, its columns past the latent zero-weighted.
+        self.attended_width = latent_value_width(self.latent_width) if self.absorbed else self.value_dim
         self.o_proj = ReplicatedLinear(
             self.num_heads * self.attended_width, config.hidden_size, bias=config.attention_bias,
             prefix=f"{prefix}.o_proj",
@@ -202,11 +207,26 @@ class EGMLAAttention(nn.Module):
         if "query_bias" in weights:
             bias = weights["query_bias"].float().view(heads, nope + rope)
             absorbed["query_bias"] = torch.cat([torch.einsum("hdr,hd->hr", up_keys, bias[:, :nope]), bias[:, nope:]], 1)
+        if "latent" in weights:  # the latent's projection, fused after the query's
+            absorbed["query"] = torch.cat([absorbed["query"].flatten(0, 1), weights["latent"].float()])[None]
+            if "latent_bias" in weights:
+                absorbed["query_bias"] = torch.cat([absorbed["query_bias"].flatten(), weights["latent_bias"].float()])[
+                    None
+                ]
         output = weights["output"].float().view(-1, heads, self.value_dim)
-        absorbed["output"] = torch.einsum("ohv,hvr->ohr", output, up_values)
+        output = torch.einsum("ohv,hvr->ohr", output, up_values)
+        absorbed["output"] = nn.functional.pad(output, (0, self.attended_width - output.shape[-1]))
         return {
             name: weight.flatten(0, 1) if name != "output" else weight.flatten(1) for name, weight in absorbed.items()
         }
+
+    @property
+    def absorbed_parts(self) -> dict[str, str]:
+        """Which of this layer's checkpoint weights `absorb_weights` takes, by their names here."""
+        if not self.absorbed:
+            return {}
+        latent = {"kv_a_proj_with_mqa.weight": "latent", "kv_a_proj_with_mqa.bias": "latent_bias"}
+        return ABSORBED_PARTS | (latent if self.fused_latent else {})
 
     def load_absorbed(self, weights: dict[str, torch.Tensor]) -> None:
         """Loads the projections `absorb_weights` builds from the checkpoint's `weights`."""
@@ -297,10 +317,12 @@ class EGMLAAttention(nn.Module):
         tokens = hidden_states.shape[0]
         heads, rope_heads, rope_dim = self.num_heads, self.rope_key_heads, self.rope_dim
         nope = self.query_nope_dim
-        query = self.project_query(hidden_states).view(tokens, heads, nope + rope_dim)
-        kv_latent, rope_key = self.kv_a_proj_with_mqa(hidden_states)[0].split(
-            [self.kv_lora_rank, self.rope_width], dim=-1
-        )
+        if self.fused_latent:
+            query, latent = self.q_proj(hidden_states)[0].split([heads * (nope + rope_dim), self.latent_proj_width], -1)
+        else:
+            query, latent = self.project_query(hidden_states), self.kv_a_proj_with_mqa(hidden_states)[0]
+        query = query.view(tokens, heads, nope + rope_dim)
+        kv_latent, rope_key = latent.split([self.kv_lora_rank, self.rope_width], dim=-1)
         cos, sin = rotary
         query_rope = rotate(query[..., nope:].reshape(tokens, rope_heads, -1, rope_dim), cos, sin)
         if not self.exact_rope:
@@ -432,6 +454,15 @@ class EGMLAForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
 
+    def up_weight(self, weight: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """A checkpoint's W^{UKV} at the cache's padded latent width, one key head per query head where vLLM's
+        absorbed MLA takes it so."""
+        if weight.shape[1] < param.shape[1]:
+            weight = nn.functional.pad(weight, (0, param.shape[1] - weight.shape[1]))  # padded latent
+        if weight.shape[0] < param.shape[0]:
+            weight = per_query_head(weight, self.config)
+        return weight
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The egmla checkpoint's names as they are; gate_proj/up_proj go into vLLM's merged gate_up_proj; where a
         layer absorbs W^{UKV} into its projections, their checkpoint weights are gathered and absorbed at the end."""
@@ -440,24 +471,23 @@ class EGMLAForCausalLM(nn.Module):
         for name, weight in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            loaded.add(name)
             for shard_id, source in enumerate(("gate_proj", "up_proj")):
                 if f".mlp.{source}." in name:
                     name = name.replace(f".mlp.{source}.", ".mlp.gate_up_proj.")
                     params[name].weight_loader(params[name], weight, shard_id)
+                    loaded.add(name)
                     break
             else:
-                param = params[name]
-                if name.endswith("kv_b_proj.weight") and weight.shape[1] < param.shape[1]:
-                    weight = nn.functional.pad(weight, (0, param.shape[1] - weight.shape[1]))  # padded latent
-                if name.endswith("kv_b_proj.weight") and weight.shape[0] < param.shape[0]:
-                    weight = per_query_head(weight, self.config)  # vLLM's absorbed MLA: one key head per query head
+                loaded.add(name)
+                if name.endswith("kv_b_proj.weight"):
+                    weight = self.up_weight(weight, params[name])
                 layer, _, part = name.partition(".self_attn.")
                 attention = self.get_submodule(f"{layer}.self_attn") if part else None
-                if attention is not None and attention.absorbed and part in ABSORBED_PARTS:
-                    absorbed.setdefault(attention, {})[ABSORBED_PARTS[part]] = weight
+                if attention is not None and part in attention.absorbed_parts:
+                    absorbed.setdefault(attention, {})[attention.absorbed_parts[part]] = weight
                     if part != "kv_b_proj.weight":
                         continue
+                param = params[name]
                 getattr(param, "weight_loader", default_weight_loader)(param, weight)
         for attention, parts in absorbed.items():
             attention.load_absorbed(parts)
