@@ -19,13 +19,11 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionLayer, MultipleOf
 from vllm.v1.attention.backends.mla.amx_mla import AMXMLAMetadataBuilder
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
-from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
 
-# The cache rows vLLM's own MLA kernels take: a 64-wide rope key after a latent of 256, 448 or 512 (DeepSeek's
-# layouts; its MLA metadata checks the sum, 320, 512 or 576), and on the CPU only 512 + 64.
+# The cache rows vLLM's own GPU MLA kernels take: a 64-wide rope key after a latent of 256, 448 or 512 (DeepSeek's
+# layouts; its MLA metadata checks the sum, 320, 512 or 576).
 NATIVE_ROPE_WIDTH = 64
 NATIVE_LATENT_WIDTHS = (256, 448, 512)
-NATIVE_CPU_LATENT_WIDTH = 512
 
 
 # vLLM's CPU latent kernels take a cached row and a value (its first columns) whose widths are multiples of this.
@@ -55,20 +53,14 @@ def tail_padding(latent_width: int, tail_width: int, dtype: torch.dtype, rebuild
     return -(latent_width + tail_width) % LATENT_KERNEL_ALIGNMENT
 
 
-def prefill_backend() -> type | None:
-    """The MLA prefill: on the CPU ours (one SDPA call for the whole batch), elsewhere vLLM's choice (None)."""
-    return EGMLAPrefillBackend if current_platform.is_cpu() else None
-
-
 def latent_backend(latent_width: int, tail_width: int, dtype: torch.dtype, rebuilds: bool = False) -> type | None:
     """The attention backend for cached rows [latent ; tail] (the tail padded by `tail_padding`): ours where the keys
     are rebuilt (it only writes the cache there) and where vLLM has no kernel for that layout, else None (vLLM
     chooses). On the CPU in bf16 and fp16 ours runs vLLM's latent kernels; elsewhere it is plain PyTorch, so it runs
     on a GPU too, but it is tested on the CPU only."""
-    if not rebuilds and latent_kernels(dtype):
-        return EGMLALatentKernelBackend
-    native = (NATIVE_CPU_LATENT_WIDTH,) if current_platform.is_cpu() else NATIVE_LATENT_WIDTHS
-    if rebuilds or tail_width != NATIVE_ROPE_WIDTH or latent_width not in native:
+    if current_platform.is_cpu():
+        return EGMLALatentKernelBackend if not rebuilds and latent_kernels(dtype) else EGMLACPUMLABackend
+    if rebuilds or tail_width != NATIVE_ROPE_WIDTH or latent_width not in NATIVE_LATENT_WIDTHS:
         return EGMLACPUMLABackend
     return None
 
@@ -170,7 +162,7 @@ class EGMLALatentKernelMetadataBuilder(EGMLAMLAMetadataBuilder, AMXMLAMetadataBu
 
 class EGMLALatentKernelBackend(EGMLACPUMLABackend):
     """The cache and its writes as `EGMLACPUMLABackend`, the metadata for vLLM's CPU latent kernels
-    (`LatentKernelAttention` runs them)."""
+    (`AbsorbedAttention` runs them)."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
 
@@ -179,18 +171,20 @@ class EGMLALatentKernelBackend(EGMLACPUMLABackend):
         return EGMLALatentKernelMetadataBuilder
 
 
-class LatentKernelAttention(MLAAttention):
-    """vLLM's MLA layer (its cache spec and cache writes) for queries the model has already absorbed: W^{UK} is in
-    the query's projection and W^{UV} in the output's, so every new token, in a prompt or a decode, attends over
-    its request's cached rows by vLLM's CPU latent kernels, which read the paged cache in place. The query
-    [T, H, D] = [q W^{UK} ; rope query ; zeros] meets rows [latent ; rope key ; zeros]; the values are the rows'
-    first `value_width` columns (the latent, then columns the output's projection gives zero weight). Returns the
-    attended rows [T, H * value_width].
+class AbsorbedAttention(MLAAttention):
+    """vLLM's MLA layer (its cache spec and cache writes) on the CPU for queries the model has already absorbed:
+    W^{UK} is in the query's projection and W^{UV} in the output's, so every new token, in a prompt or a decode,
+    attends over its request's cached rows as one MQA: the query [T, H, D] = [q W^{UK} ; rope query ; zeros] meets
+    rows [latent ; rope key ; zeros], whose first `value_width` columns are the values (the latent, then columns the
+    output's projection gives zero weight). In bf16 and fp16 vLLM's CPU latent kernels read the paged cache in place
+    (`kernels`); in fp32 (which they lack) PyTorch's SDPA: prompts over their own new rows, decodes (and prompts
+    with cached context) over their requests' rows gathered from the cache. Returns the attended rows
+    [T, H * value_width].
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, value_width: int, kernels: bool, **kwargs):
         super().__init__(**kwargs)
-        self.value_width = latent_value_width(self.kv_lora_rank)
+        self.value_width, self.kernels = value_width, kernels
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """Nothing to split: the model folded W^{UKV} into its projections."""
@@ -199,27 +193,105 @@ class LatentKernelAttention(MLAAttention):
         if attn_metadata is None:  # the profile run
             return output.fill_(0)
         tokens, decodes = attn_metadata.num_actual_tokens, attn_metadata.num_decode_tokens
-        rows = kv_cache.view(-1, 1, kv_cache.shape[-1])  # [slots, 1, D]
-        values = rows[..., : self.value_width]
         attended = output[:tokens].view(tokens, self.num_heads, self.value_width)
         if decodes:
-            decode = attn_metadata.decode
-            partials = torch.zeros(  # each head's partial sums and log-sum-exp per split of a long context
-                decodes, self.num_heads, decode.num_kv_splits, self.value_width + 1, dtype=torch.float32
-            )
-            torch.ops._C.decode_attention_cpu(
-                q[:decodes], rows, values, attended[:decodes], None, None, None, partials, decode.req_to_token,
-                decode.req_pool_indices, decode.seq_lens_i64, self.scale, 0.0, False, 0, None, None,
-            )  # fmt: skip
-        if tokens > decodes:  # the prompts' new tokens, causal, beside their cached context
-            prefill = attn_metadata.prefill
-            new_rows = torch.cat([k_c_normed[decodes:tokens], k_pe[decodes:tokens, 0]], dim=-1)[:, None]
-            torch.ops._C.extend_attention_cpu(
-                q[decodes:tokens], new_rows, new_rows[..., : self.value_width], attended[decodes:], rows, values,
-                prefill.req_to_token, prefill.req_pool_indices, prefill.cpu_seq_lens, prefill.extend_seq_lens,
-                prefill.extend_start_loc, prefill.max_len_extend, self.scale, 0.0, False, 0, None, None, None,
-            )  # fmt: skip
+            decode = self.decode_kernel if self.kernels else self.decode_torch
+            decode(q[:decodes], kv_cache, attn_metadata, attended[:decodes])
+        if tokens > decodes:  # the prompts' new tokens, causal, after their cached context if any
+            new_rows = torch.cat([k_c_normed[decodes:tokens], k_pe[decodes:tokens, 0]], dim=-1)  # [N, D]
+            prefill = self.prefill_kernel if self.kernels else self.prefill_torch
+            prefill(q[decodes:tokens], new_rows, kv_cache, attn_metadata, attended[decodes:])
         return output
+
+    def decode_kernel(self, query, kv_cache, metadata, out) -> None:
+        decode, rows = metadata.decode, kv_cache.view(-1, 1, kv_cache.shape[-1])  # [slots, 1, D]
+        partials = torch.zeros(  # each head's partial sums and log-sum-exp per split of a long context
+            query.shape[0], self.num_heads, decode.num_kv_splits, self.value_width + 1, dtype=torch.float32
+        )
+        torch.ops._C.decode_attention_cpu(
+            query, rows, rows[..., : self.value_width], out, None, None, None, partials, decode.req_to_token,
+            decode.req_pool_indices, decode.seq_lens_i64, self.scale, 0.0, False, 0, None, None,
+        )  # fmt: skip
+
+    def prefill_kernel(self, query, new_rows, kv_cache, metadata, out) -> None:
+        prefill, rows = metadata.prefill, kv_cache.view(-1, 1, kv_cache.shape[-1])
+        new_rows = new_rows[:, None]
+        torch.ops._C.extend_attention_cpu(
+            query, new_rows, new_rows[..., : self.value_width], out, rows, rows[..., : self.value_width],
+            prefill.req_to_token, prefill.req_pool_indices, prefill.cpu_seq_lens, prefill.extend_seq_lens,
+            prefill.extend_start_loc, prefill.max_len_extend, self.scale, 0.0, False, 0, None, None, None,
+        )  # fmt: skip
+
+    def decode_torch(self, query, kv_cache, metadata, out) -> None:
+        """One new token per request [B, H, D] over its rows gathered from the paged cache; the query heads as rows
+        of one head (SDPA's fused kernel reads the rows once)."""
+        decode = metadata.decode
+        rows, valid = request_rows(kv_cache, decode.block_table, decode.seq_lens.to(torch.long))
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            query[:, None], rows[:, None], rows[:, None], attn_mask=valid[:, None, None], scale=self.scale
+        )  # [B, 1, H, D]
+        out.copy_(attended[:, 0, :, : self.value_width])
+
+    def prefill_torch(self, query, new_rows, kv_cache, metadata, out) -> None:
+        """Prompts without cached context attend over their own new rows; with context, over their requests' rows
+        in the cache (which already hold the new ones)."""
+        decodes = metadata.num_decodes
+        if metadata.prefill.chunked_context is None:
+            starts = metadata.prefill.query_start_loc.to(torch.long)
+            out.copy_(causal_mqa(query, new_rows, starts, self.scale)[..., : self.value_width])
+            return
+        seq_lens = metadata.request_seq_lens[decodes:].to(torch.long)
+        starts = metadata.request_query_start_loc[decodes:].to(torch.long)
+        rows, valid = request_rows(kv_cache, metadata.request_block_table[decodes:], seq_lens)  # [R, T, D]
+        key = rows[:, :, None]  # one key head
+        attended = attend_over_cache(
+            query, key, key[..., : self.value_width], valid, seq_lens, starts - starts[0], self.scale
+        )
+        out.copy_(attended)
+
+
+def causal_mqa(query: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each prompt's queries [N, H, D] over its own rows [N, D] (keys and values), causal: prompts of one length as
+    they are, others padded to the longest with a mask. Returns [N, H, D]."""
+    lengths = starts[1:] - starts[:-1]
+    if bool((lengths == lengths[0]).all()):
+        query, rows = query.view(len(lengths), -1, *query.shape[1:]), rows.view(len(lengths), -1, 1, rows.shape[-1])
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            query.transpose(1, 2), rows.transpose(1, 2), rows.transpose(1, 2), is_causal=True, scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
+        return attended.transpose(1, 2).flatten(0, 1)
+    padded, request, place = padded_queries(query, starts)  # [R, S, H, D]
+    rows = padded_queries(rows[:, None], starts)[0]  # [R, S, 1, D]
+    positions = torch.arange(padded.shape[1], device=query.device)
+    mask = (positions[None, None, :] <= positions[None, :, None]) & (positions[None, None, :] < lengths[:, None, None])
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        padded.transpose(1, 2), rows.transpose(1, 2), rows.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
+        enable_gqa=True,
+    )  # fmt: skip
+    return attended.transpose(1, 2)[request, place]
+
+
+def attend_over_cache(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, seq_lens: torch.Tensor,
+    starts: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """New tokens query [N, H, dq] over their requests' cached keys [R, T, Hkv, dq] and values [R, T, Hkv or 1, dv]
+    (`valid` [R, T]: which are a request's own), causal within the new tokens (the last of each request's
+    `seq_lens`; `starts` [R + 1] splits the queries by request). Returns [N, H, dv]."""
+    padded, request, place = padded_queries(query, starts)  # [R, S, H, dq]
+    query_lens = (starts[1:] - starts[:-1])[:, None, None]
+    positions = torch.arange(key.shape[1], device=key.device)[None, None]
+    new_positions = (
+        seq_lens[:, None, None] - query_lens + torch.arange(padded.shape[1], device=key.device)[None, :, None]
+    )
+    mask = (positions <= new_positions) & valid[:, None]  # [R, S, T]
+    value = value.expand(-1, -1, key.shape[2], -1)  # one value head (the latents) for every key head, not copied
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        padded.transpose(1, 2).to(key.dtype), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None],
+        scale=scale, enable_gqa=key.shape[2] != padded.shape[2],  # each key head serves a group of query heads
+    )  # fmt: skip
+    return attended.transpose(1, 2)[request, place]
 
 
 def request_rows(
@@ -247,40 +319,6 @@ def padded_queries(query: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Ten
     padded = query.new_zeros(len(query_lens), int(query_lens.max()), *query.shape[1:])
     padded[request, place] = query
     return padded, request, place
-
-
-class EGMLAPrefillBackend(CPUSDPAMLAPrefillBackend):
-    """vLLM's CPU MLA prefill (the expanded MHA over the new tokens; fp32), with every request's new tokens attended
-    in one SDPA call, instead of one unfused attention per request in a Python loop: prompts of one length (one
-    prompt alone, most often) as they are and causal, others padded to the longest with a mask. Batches with cached
-    context, which need the softmax's log-sum-exp to merge, stay vLLM's; it computes in the input dtype (vLLM's loop
-    in fp32)."""
-
-    def _ragged_sdpa(self, q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_softmax_lse):
-        """q, k, v [N, heads, d], ragged by `q_cu_seq_lens` [R + 1]; returns [N, heads, dv]."""
-        if return_softmax_lse or not causal or not torch.equal(q_cu_seq_lens, kv_cu_seq_lens):
-            return super()._ragged_sdpa(q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_softmax_lse)
-        starts = q_cu_seq_lens.to(torch.long)
-        lengths = starts[1:] - starts[:-1]
-        value_dim = v.shape[-1]  # padded with zeros to the keys' width: SDPA's fused kernel takes one width
-        v = torch.nn.functional.pad(v, (0, max(k.shape[-1] - value_dim, 0)))
-        if bool((lengths == lengths[0]).all()):
-            query, key, value = (part.view(len(lengths), -1, *part.shape[1:]).transpose(1, 2) for part in (q, k, v))
-            attended = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, is_causal=True, scale=self.scale
-            )  # [R, heads, S, d]
-            return attended.transpose(1, 2).flatten(0, 1)[..., :value_dim].to(v.dtype)
-        query, request, place = padded_queries(q, starts)  # [R, S, heads, d]
-        key, value = padded_queries(k, starts)[0], padded_queries(v, starts)[0]
-        positions = torch.arange(query.shape[1], device=q.device)
-        mask = (positions[None, None, :] <= positions[None, :, None]) & (
-            positions[None, None, :] < lengths[:, None, None]
-        )
-        attended = torch.nn.functional.scaled_dot_product_attention(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None],
-            scale=self.scale,
-        )  # fmt: skip
-        return attended.transpose(1, 2)[request, place, :, :value_dim].to(v.dtype)
 
 
 class RebuildingAttention(MLAAttention):
@@ -316,22 +354,5 @@ class RebuildingAttention(MLAAttention):
         starts = metadata.request_query_start_loc.to(torch.long)
         rows, valid = request_rows(kv_cache, metadata.request_block_table, seq_lens)  # [R, T, width], [R, T]
         key, value = self.rebuild(rows)
-        length = rows.shape[1]
-        padded, request, place = padded_queries(query, starts)  # [R, S, H, dq]
-        query_lens = (starts[1:] - starts[:-1])[:, None, None]
-        positions = torch.arange(length, device=rows.device)[None, None]
-        new_positions = (
-            seq_lens[:, None, None] - query_lens + torch.arange(padded.shape[1], device=rows.device)[None, :, None]
-        )
-        mask = (positions <= new_positions) & valid[:, None]  # [R, S, T]
-        value = value.expand(-1, -1, key.shape[2], -1)  # the latents: one for every key head, not copied
-        attended = torch.nn.functional.scaled_dot_product_attention(
-            padded.transpose(1, 2).to(key.dtype),
-            key.transpose(1, 2),
-            value.transpose(1, 2),
-            attn_mask=mask[:, None],
-            scale=self.scale,
-            enable_gqa=key.shape[2] != padded.shape[2],  # each key head serves a group of query heads
-        )
-        attended = attended.transpose(1, 2)[request, place]  # [N, H, dv], or [N, H, r] to take to values
+        attended = attend_over_cache(query, key, value, valid, seq_lens, starts, self.scale)  # [N, H, dv] or [N, H, r]
         return attended if self.up_values is None else self.up_values(attended)

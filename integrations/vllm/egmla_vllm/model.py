@@ -22,15 +22,15 @@ from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaMLP
+from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
 from .attention import (
-    LatentKernelAttention,
+    AbsorbedAttention,
     RebuildingAttention,
     latent_backend,
     latent_kernels,
     latent_value_width,
-    prefill_backend,
     tail_padding,
 )
 from .config import EGMLAConfig
@@ -123,10 +123,10 @@ class EGMLAAttention(nn.Module):
         # The model's own modules, shared (their parameters keep the model's names: registered there first).
         self.gate_table, self.rotary = gate_table, rotary
         dtype = get_current_vllm_config().model_config.dtype
-        # Where vLLM's CPU latent kernels serve, W^{UK} is folded into the query's projection and W^{UV} into the
-        # output's at load (`absorb_weights`): each query head is [q W^{UK} (r) ; rope query], the output reads
-        # every head's attended latent.
-        self.absorbed = self.absorbs and latent_kernels(dtype)
+        # On the CPU, W^{UK} is folded into the query's projection and W^{UV} into the output's at load
+        # (`absorb_weights`): each query head is [q W^{UK} (r) ; rope query], the output reads every head's attended
+        # latent (`AbsorbedAttention`). On a GPU, vLLM's MLA layer absorbs them itself.
+        self.absorbed = self.absorbs and current_platform.is_cpu()
         self.query_nope_dim = self.latent_width if self.absorbed else self.nope_dim
         head_width = self.query_nope_dim + self.rope_dim
         # Absorbed without a low-rank query, the query's and the latent's projections are one product (`q_proj`).
@@ -156,8 +156,11 @@ class EGMLAAttention(nn.Module):
         self.kv_b_proj = ReplicatedLinear(
             self.latent_width, self.key_heads * kv_width, bias=False, prefix=f"{prefix}.kv_b_proj"
         )
-        # Absorbed: the output's projection reads every head's attended row, its columns past the latent zero-weighted.
-        self.attended_width = latent_value_width(self.latent_width) if self.absorbed else self.value_dim
+        # Absorbed: the output's projection reads every head's attended row, its columns past the latent zero-weighted
+        # (vLLM's CPU latent kernels write whole multiples of 32).
+        self.attended_width = self.value_dim
+        if self.absorbed:
+            self.attended_width = latent_value_width(self.latent_width) if latent_kernels(dtype) else self.latent_width
         self.o_proj = ReplicatedLinear(
             self.num_heads * self.attended_width, config.hidden_size, bias=config.attention_bias,
             prefix=f"{prefix}.o_proj",
@@ -190,8 +193,8 @@ class EGMLAAttention(nn.Module):
             up_values = None if self.caches_token_ids else self.up_values
             return RebuildingAttention(self.rebuild, up_values, **layer)
         if self.absorbed:
-            return LatentKernelAttention(**layer)
-        return MLAAttention(**layer, prefill_backend_cls=prefill_backend())
+            return AbsorbedAttention(self.attended_width, latent_kernels(dtype), **layer)
+        return MLAAttention(**layer)
 
     def absorb_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The checkpoint's query projection ("query", and its "query_bias"), W^{UKV} per query head at the cache's

@@ -311,11 +311,12 @@ def test_an_unserved_rope_type_is_refused_by_name(served):
     assert "rope_type 'dynamic' is not served" in result.get("error", "")
 
 
-# Run in the vLLM venv: the plugin's decode over a paged cache whose unused slots hold NaN (a reused block may hold
-# anything), for requests of unequal lengths, against attention over each request's own rows.
+# Run in the vLLM venv: the plugin's PyTorch attention over a paged cache whose unused slots hold NaN (a reused block
+# may hold anything), for requests of unequal lengths, one new token each (a decode) and several after cached context,
+# against attention over each request's own rows.
 PAGED_DECODE_CHECK = """
 import torch
-from egmla_vllm.attention import request_rows
+from egmla_vllm.attention import attend_over_cache, request_rows
 
 torch.manual_seed(0)
 block_size, width, rank, heads = 16, 12, 8, 3
@@ -335,11 +336,23 @@ for request, length in enumerate(seq_lens.tolist()):
     own = rows[request, :length]
     expected = torch.softmax(query[request] @ own.T * 0.3, dim=-1) @ own[:, :rank]
     torch.testing.assert_close(attended[request], expected)
+# New tokens after cached context (chunked prefill, the prefix cache): 2 after 35 cached, 3 alone, 1 after 15.
+query_lens = torch.tensor([2, 3, 1])
+starts = torch.cat([torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)])
+query = torch.randn(int(query_lens.sum()), heads, width)
+key = rows[:, :, None]
+attended = attend_over_cache(query, key, key[..., :rank], valid, seq_lens, starts, 0.3)
+for request, length in enumerate(seq_lens.tolist()):
+    own = rows[request, :length]
+    for offset in range(int(query_lens[request])):
+        position = length - int(query_lens[request]) + offset  # it sees the cache up to itself
+        weights = torch.softmax(query[starts[request] + offset] @ own[: position + 1].T * 0.3, dim=-1)
+        torch.testing.assert_close(attended[starts[request] + offset], weights @ own[: position + 1, :rank])
 print("OK")
 """
 
 
-def test_the_paged_decode_reads_each_requests_own_rows_past_nan_slots(vllm_python):
+def test_the_paged_attention_reads_each_requests_own_rows_past_nan_slots(vllm_python):
     done = subprocess.run(
         [vllm_python, "-c", PAGED_DECODE_CHECK], capture_output=True, text=True, env={**os.environ, **VLLM_ENV},
         timeout=300,
