@@ -1,12 +1,13 @@
-"""MLA attention on the CPU for the latent widths vLLM's own CPU MLA backends lack (they take only 512 + 64).
+"""The plugin's attention over vLLM's paged latent cache, for the layouts vLLM's own MLA backends lack (on the CPU
+they take only a latent of 512 with a rope key of 64).
 
-In bf16 and fp16 (`EGMLALatentKernelBackend`): vLLM's CPU latent-attention kernels (`decode_attention_cpu`,
-`extend_attention_cpu`, vendored from sglang, vectorized with AVX-512 / AMX) read the paged cache in place, the
-prefill absorbed like the decode (no cached latent is expanded); they take widths that are multiples of 32, so the
-model pads the cache row with zero columns (`tail_padding`). In fp32, which those kernels lack
-(`EGMLACPUMLABackend`): vLLM's CPU MLA scaffolding (the expanded-MHA prefill, W^{UK} absorbed into the query, W^{UV}
-applied after the decode) with the decode over the paged cache in PyTorch, vectorized over the batch. On a GPU,
-vLLM's own MLA backends (TRITON_MLA) take any width.
+On the CPU, absorbed modes run `AbsorbedAttention`: prompts and decodes alike as one MQA over the cached rows, the
+model having folded W^{UK} and W^{UV} into its projections. In bf16 and fp16 (`EGMLALatentKernelBackend`) vLLM's CPU
+latent-attention kernels (`decode_attention_cpu`, `extend_attention_cpu`, vendored from sglang) read the paged cache
+in place; they take widths that are multiples of 32, so the model pads the cache row with zero columns
+(`tail_padding`). In fp32, which those kernels lack (`EGMLACPUMLABackend`), PyTorch's SDPA. The gate on K/V and the
+RoPE-exact latent run `RebuildingAttention`. On a GPU, vLLM's own MLA layer, with its MLA backends where the layout is
+DeepSeek's and this module's PyTorch decode elsewhere.
 """
 
 from dataclasses import dataclass
@@ -141,18 +142,8 @@ class EGMLACPUMLAImpl(CPUMLAImpl):
         [B, H, r]."""
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
-        decode = attn_metadata.decode
-        rows, valid = request_rows(kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens.to(torch.long))
-        # The query heads as rows of one head over the cached rows, which are the values too (their rope-key columns
-        # dropped after): SDPA's fused kernel reads the cache once.
-        attended = torch.nn.functional.scaled_dot_product_attention(
-            q.to(rows.dtype)[:, None],  # [B, 1, H, r + dr]
-            rows[:, None],  # [B, 1, T, r + dr]
-            rows[:, None],
-            attn_mask=valid[:, None, None],  # [B, 1, 1, T]
-            scale=self.scale,
-        )
-        return attended[:, 0, :, : self.kv_lora_rank].to(q.dtype), None
+        attended = mqa_decode(q, kv_c_and_k_pe_cache, attn_metadata.decode, self.scale)
+        return attended[..., : self.kv_lora_rank].to(q.dtype), None
 
 
 class EGMLALatentKernelMetadataBuilder(EGMLAMLAMetadataBuilder, AMXMLAMetadataBuilder):
@@ -223,14 +214,7 @@ class AbsorbedAttention(MLAAttention):
         )  # fmt: skip
 
     def decode_torch(self, query, kv_cache, metadata, out) -> None:
-        """One new token per request [B, H, D] over its rows gathered from the paged cache; the query heads as rows
-        of one head (SDPA's fused kernel reads the rows once)."""
-        decode = metadata.decode
-        rows, valid = request_rows(kv_cache, decode.block_table, decode.seq_lens.to(torch.long))
-        attended = torch.nn.functional.scaled_dot_product_attention(
-            query[:, None], rows[:, None], rows[:, None], attn_mask=valid[:, None, None], scale=self.scale
-        )  # [B, 1, H, D]
-        out.copy_(attended[:, 0, :, : self.value_width])
+        out.copy_(mqa_decode(query, kv_cache, metadata.decode, self.scale)[..., : self.value_width])
 
     def prefill_torch(self, query, new_rows, kv_cache, metadata, out) -> None:
         """Prompts without cached context attend over their own new rows; with context, over their requests' rows
@@ -248,6 +232,17 @@ class AbsorbedAttention(MLAAttention):
             query, key, key[..., : self.value_width], valid, seq_lens, starts - starts[0], self.scale
         )
         out.copy_(attended)
+
+
+def mqa_decode(query: torch.Tensor, kv_cache: torch.Tensor, decode, scale: float) -> torch.Tensor:
+    """One new token per request, query [B, H, D], over its cached rows [latent ; tail] (keys, and values in their
+    first columns) gathered from the paged cache by its block table, the query heads as rows of one head: SDPA's
+    fused kernel reads the rows once. Returns [B, H, D]."""
+    rows, valid = request_rows(kv_cache, decode.block_table, decode.seq_lens.to(torch.long))  # [B, T, D], [B, T]
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        query.to(rows.dtype)[:, None], rows[:, None], rows[:, None], attn_mask=valid[:, None, None], scale=scale
+    )  # [B, 1, H, D]
+    return attended[:, 0]
 
 
 def causal_mqa(query: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, scale: float) -> torch.Tensor:
