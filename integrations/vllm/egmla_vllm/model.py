@@ -86,7 +86,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class EGMLAAttention(nn.Module):
     """egmla's attention with the latent handed to vLLM's MLA layer.
 
-    Gate off or on the latent: vLLM's `MLAAttention` (expanded prefill, absorbed decode). With `rope_key_heads`
+    Gate off or on the latent: on the CPU `AbsorbedAttention` over projections that absorb W^{UK} and W^{UV}, on a
+    GPU vLLM's `MLAAttention` (expanded prefill, absorbed decode). With `rope_key_heads`
     Hr > 1 the cached rope key is all Hr rope keys side by side (Hr * dr values), and each query head's rope query
     sits in its group's slot of an Hr * dr query (zeros elsewhere): the score is exact. Per-layer latent widths are
     zero-padded to the widest (W^{UKV} padded with zero columns): exact too. Where vLLM's CPU latent kernels serve
@@ -197,31 +198,26 @@ class EGMLAAttention(nn.Module):
         return MLAAttention(**layer)
 
     def absorb_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The checkpoint's query projection ("query", and its "query_bias"), W^{UKV} per query head at the cache's
-        latent width ("up"), and output projection ("output") -> the absorbed ones: rows [H, r + dr] = [W^{UK}ᵀ
-        W_nope ; W_rope] per head, and the output [hidden, H * r] = W_o W^{UV} per head (in fp32, exact up to the
-        dtype's rounding)."""
+        """The checkpoint's query projection ("query", "query_bias"), W^{UKV} per query head at the cache's latent
+        width ("up"), output projection ("output") and, where fused, the latent's projection ("latent",
+        "latent_bias") -> the absorbed projections, in fp32 (exact up to the dtype's rounding): the query's rows
+        [H, r + dr] = [W^{UK}ᵀ W_nope ; W_rope] per head (then the latent's rows), the output [hidden, H * attended]
+        = W_o W^{UV} per head (zero columns past the latent)."""
         heads, nope, rope = self.num_heads, self.nope_dim, self.rope_dim
-        up_keys, up_values = (
-            weights["up"].float().view(heads, nope + self.value_dim, -1).split([nope, self.value_dim], 1)
-        )
+        up = weights["up"].float().view(heads, nope + self.value_dim, -1)
+        up_keys, up_values = up.split([nope, self.value_dim], dim=1)  # [H, dn, r], [H, dv, r]
         query = weights["query"].float().view(heads, nope + rope, -1)
-        absorbed = {"query": torch.cat([torch.einsum("hdr,hdi->hri", up_keys, query[:, :nope]), query[:, nope:]], 1)}
+        query = torch.cat([torch.einsum("hdr,hdi->hri", up_keys, query[:, :nope]), query[:, nope:]], dim=1)
+        latent = [weights["latent"].float()] if "latent" in weights else []
+        absorbed = {"query": torch.cat([query.flatten(0, 1), *latent])}
         if "query_bias" in weights:
             bias = weights["query_bias"].float().view(heads, nope + rope)
-            absorbed["query_bias"] = torch.cat([torch.einsum("hdr,hd->hr", up_keys, bias[:, :nope]), bias[:, nope:]], 1)
-        if "latent" in weights:  # the latent's projection, fused after the query's
-            absorbed["query"] = torch.cat([absorbed["query"].flatten(0, 1), weights["latent"].float()])[None]
-            if "latent_bias" in weights:
-                absorbed["query_bias"] = torch.cat([absorbed["query_bias"].flatten(), weights["latent_bias"].float()])[
-                    None
-                ]
-        output = weights["output"].float().view(-1, heads, self.value_dim)
-        output = torch.einsum("ohv,hvr->ohr", output, up_values)
-        absorbed["output"] = nn.functional.pad(output, (0, self.attended_width - output.shape[-1]))
-        return {
-            name: weight.flatten(0, 1) if name != "output" else weight.flatten(1) for name, weight in absorbed.items()
-        }
+            bias = torch.cat([torch.einsum("hdr,hd->hr", up_keys, bias[:, :nope]), bias[:, nope:]], dim=1)
+            latent_bias = [weights["latent_bias"].float()] if "latent_bias" in weights else []
+            absorbed["query_bias"] = torch.cat([bias.flatten(), *latent_bias])
+        output = torch.einsum("ohv,hvr->ohr", weights["output"].float().view(-1, heads, self.value_dim), up_values)
+        absorbed["output"] = nn.functional.pad(output, (0, self.attended_width - output.shape[-1])).flatten(1)
+        return absorbed
 
     @property
     def absorbed_parts(self) -> dict[str, str]:
