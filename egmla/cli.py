@@ -6,7 +6,7 @@ Every option flag is made from the dataclass field of the same name (`egmla.opti
 
 import argparse
 import dataclasses
-import json
+import sys
 from pathlib import Path
 
 from .bench import converted, decode, figure, kv, train
@@ -27,6 +27,7 @@ from .conversion.reconstruction import ReconstructionSettings
 from .conversion.streaming import run_streaming_conversion
 from .data import smollm2_gguf
 from .options import Placement, add_fields
+from .outputs import report_json
 from .quickstart import QuickstartSettings, run_quickstart
 from .training import FinetuneSettings
 
@@ -71,11 +72,11 @@ def rope_split(args: argparse.Namespace) -> str:
 
 
 def add_reconstruction_options(parser: argparse.ArgumentParser) -> None:
-    add_fields(parser, ReconstructionSettings, prefix="reconstruction_")
+    add_fields(parser, ReconstructionSettings)
 
 
 def reconstruction_settings(args: argparse.Namespace) -> ReconstructionSettings:
-    return from_args(ReconstructionSettings, args, prefix="reconstruction_", seed=args.seed)
+    return from_args(ReconstructionSettings, args, prefix=ReconstructionSettings.flag_prefix, seed=args.seed)
 
 
 def add_training_options(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +103,7 @@ def retrofit_arguments(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def retrofit_command(args: argparse.Namespace) -> None:
+    refuse_ignored_flags(args)
     args = retrofit_arguments(args)
     job = ConversionJob(
         source=args.source or smollm2_gguf(),
@@ -109,7 +111,7 @@ def retrofit_command(args: argparse.Namespace) -> None:
         options=conversion_options(args),
         text=from_args(TextSettings, args),
         reconstruction=reconstruction_settings(args),
-        finetune=from_args(FinetuneSettings, args) if args.steps is None or args.steps > 0 else None,
+        finetune=from_args(FinetuneSettings, args) if args.steps != 0 else None,
         overwrite=args.overwrite,
         sample_prompt=args.prompt,
         score_stages=args.score_stages,
@@ -125,8 +127,9 @@ def convert_command(args: argparse.Namespace) -> None:
     out = args.out or args.out_folder
     if out is None:
         raise ValueError("give the output folder: --out DIR")
+    refuse_ignored_flags(args)
     options, text = conversion_options(args), from_args(TextSettings, args)
-    recovers = text.train_text is not None and (args.steps is None or args.steps > 0)
+    recovers = text.train_text is not None and args.steps != 0
     job = ConversionJob(
         args.source,
         out,
@@ -142,6 +145,35 @@ def convert_command(args: argparse.Namespace) -> None:
         placement=from_args(Placement, args),
     )
     run_streaming_conversion(job) if args.stream else run_conversion(job)
+
+
+RECOVERY_FLAGS = tuple(field.name for field in dataclasses.fields(FinetuneSettings) if field.name != "seed")
+# What `--stream` does without (it fits layer by layer only).
+UNSTREAMED_FLAGS = ("score_stages", "time_limit", *RECOVERY_FLAGS)
+
+
+def refuse_given(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
+    """A flag of `names` given a value other than its command's default would do nothing: refuse it by name."""
+    positional = [args.source] if args.source else []
+    defaults = build_parser().parse_args([args.command, *positional])
+    given = [name for name in names if hasattr(args, name) and getattr(args, name) != getattr(defaults, name)]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ValueError(f"{flags} would do nothing: {why}; leave {'it' if len(given) == 1 else 'them'} out.")
+
+
+def refuse_ignored_flags(args: argparse.Namespace) -> None:
+    """Flags that the chosen mode of `convert` or `retrofit` ignores."""
+    if getattr(args, "stream", False):
+        refuse_given(
+            args, UNSTREAMED_FLAGS, "--stream fits layer by layer only, with no recovery, stage scores or time limit"
+        )
+    elif args.steps == 0:
+        refuse_given(
+            args, tuple(name for name in RECOVERY_FLAGS if name != "steps"), "--steps 0 turns the recovery off"
+        )
+    elif args.command == "convert" and args.train_text is None:
+        refuse_given(args, RECOVERY_FLAGS, "convert recovers the model only on text, and no --train-text is given")
 
 
 def finetune_command(args: argparse.Namespace) -> None:
@@ -176,7 +208,7 @@ def write_json(path: Path, result: dict) -> None:
     """Whole or not at all: written beside and renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(path.name + ".partial")
-    staging.write_text(json.dumps(result, indent=2) + "\n")
+    staging.write_text(report_json(result))
     staging.replace(path)
 
 
@@ -381,12 +413,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class CommandError(SystemExit):
+    """A bad input's one-line message (already printed), with argparse's exit status for bad usage, 2."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.handler(args)
-    except (FileExistsError, FileNotFoundError, ValueError) as error:
-        raise SystemExit(f"egmla {args.command}: {error}") from error
+    except (OSError, ValueError) as error:  # bad input, a missing file, a full disk: one line, no traceback
+        message = f"egmla {args.command}: {error}"
+        print(message, file=sys.stderr)
+        raise CommandError(message) from error
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ and names instead of local paths (a source or text is named by its Hub id or its
 on the machine that wrote the folder)."""
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -53,21 +54,32 @@ def source_metadata(source: str | Path | None, base_model: str | None = None, li
         if path.suffix == ".gguf" and path.is_file():
             found = gguf_metadata(path)
         elif path.is_dir():
-            found = folder_metadata(path)
+            found = folder_metadata(path, license_given=license is not None)
         elif hub_id(str(source)):
-            found = hub_metadata(str(source))
+            found = hub_metadata(str(source), license_given=license is not None)
     return SourceMetadata(base_model or found.base_model, license or found.license, found.language)
 
 
-def folder_metadata(folder: Path) -> SourceMetadata:
+def unread_card(where: str | Path, error: Exception) -> None:
+    warnings.warn(
+        f"Could not read the model card of {where} ({str(error).splitlines()[0][:160]}), so the output's card names "
+        "no licence: give --license ID (a Hub licence id such as apache-2.0).",
+        stacklevel=3,
+    )
+
+
+def folder_metadata(folder: Path, license_given: bool = False) -> SourceMetadata:
     """A local checkpoint: the Hub id its config was loaded from (`_name_or_path`, when one), the licence and
-    languages of its model card (README.md front matter) or config."""
+    languages of its model card (README.md front matter) or config; a card that cannot be read is said, unless
+    the licence is given."""
     config = read_json(folder / "config.json")
     card = {}
     if (folder / "README.md").is_file():
         try:
             card = metadata_load(folder / "README.md") or {}
-        except ValueError:  # front matter that is not YAML: no metadata
+        except Exception as error:  # noqa: BLE001 - front matter that is not YAML (yaml.YAMLError): no metadata
+            if not license_given:
+                unread_card(folder / "README.md", error)
             card = {}
     language = card.get("language")
     return SourceMetadata(
@@ -77,11 +89,14 @@ def folder_metadata(folder: Path) -> SourceMetadata:
     )
 
 
-def hub_metadata(repo_id: str) -> SourceMetadata:
-    """A Hub id: itself, and the licence of its model card when the card can be read (cached or online)."""
+def hub_metadata(repo_id: str, license_given: bool = False) -> SourceMetadata:
+    """A Hub id: itself, and the licence of its model card when the card can be read (cached or online); one that
+    cannot is said, unless the licence is given."""
     try:
         card = ModelCard.load(repo_id).data.to_dict()
-    except Exception:  # offline, gated, no card: the licence stays unknown
+    except Exception as error:  # noqa: BLE001 - offline, gated, no card: the licence stays unknown
+        if not license_given:
+            unread_card(repo_id, error)
         card = {}
     language = card.get("language")
     return SourceMetadata(repo_id, card.get("license"), [language] if isinstance(language, str) else language)

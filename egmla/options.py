@@ -4,6 +4,7 @@ default, so that the CLI, the dataclasses and their validation read the same dec
 
 import argparse
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -13,17 +14,61 @@ from typing import Any
 import torch
 
 
-def option(default: Any, help: str, choices: tuple | None = None, flags: tuple[str, ...] = ()) -> Any:
-    """A dataclass field with its flag's help, its allowed values (checked by `check_choices` too) and aliases."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "flags": flags})
+def option(
+    default: Any,
+    help: str,
+    choices: tuple | None = None,
+    flags: tuple[str, ...] = (),
+    bounds: str | None = None,
+    input_file: bool = False,
+) -> Any:
+    """A dataclass field with its flag's help, its allowed values, its interval (`bounds`, such as "[1, inf)" or
+    "(0, 1)", for each value of a tuple too), whether it names a text file to read, and its flag's aliases; all are
+    checked by `check_fields`."""
+    metadata = {"help": help, "choices": choices, "flags": flags, "bounds": bounds, "input_file": input_file}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
-def check_choices(instance: Any) -> None:
-    """A ValueError naming the field whose value is not one of its declared choices."""
+def flag_name(instance: Any, name: str) -> str:
+    """The command-line flag of a field (after the dataclass's `flag_prefix`, if it has one)."""
+    return "--" + (getattr(instance, "flag_prefix", "") + name).replace("_", "-")
+
+
+def check_fields(instance: Any) -> None:
+    """A ValueError naming the flag of the first `option` field whose value is outside its choices or its interval
+    (NaN included), or whose text file is missing or empty. None is every optional field's "not given"."""
     for field in dataclasses.fields(instance):
-        allowed = field.metadata.get("choices")
-        if allowed is not None and getattr(instance, field.name) not in allowed:
-            raise ValueError(f"{field.name} must be one of {allowed}, got {getattr(instance, field.name)!r}.")
+        value, metadata = getattr(instance, field.name), field.metadata
+        if "help" not in metadata or value is None:
+            continue
+        name = f"{field.name} ({flag_name(instance, field.name)})"
+        if metadata["choices"] is not None and value not in metadata["choices"]:
+            raise ValueError(f"{name} must be one of {metadata['choices']}, got {value!r}.")
+        for item in value if isinstance(value, tuple) else (value,):
+            if metadata["bounds"] is not None:
+                check_bounds(name, item, metadata["bounds"])
+            if metadata["input_file"]:
+                check_text_file(name, Path(item))
+
+
+def check_bounds(name: str, value: float, bounds: str) -> None:
+    """`value` inside `bounds` ("[0, 1)", "(0, inf)", ...), or a ValueError saying which interval."""
+    low, high = (float(end) for end in bounds[1:-1].split(","))
+    inside = (low <= value if bounds[0] == "[" else low < value) and (
+        value <= high if bounds[-1] == "]" else value < high
+    )
+    if not inside:  # NaN too: every comparison with it is False
+        wanted = f"be {'>=' if bounds[0] == '[' else '>'} {low:g}" if math.isinf(high) else f"lie in {bounds}"
+        number = "be a number and " if math.isnan(value) else ""
+        raise ValueError(f"{name} must {number}{wanted}, got {value}.")
+
+
+def check_text_file(name: str, path: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"{name}: {path} is not a file (no such file, or a folder).")
+    with path.open("rb") as handle:
+        if not handle.read(1 << 16).strip():
+            raise ValueError(f"{name}: {path} is empty: give documents separated by <|endoftext|>.")
 
 
 def value_type(annotation: Any) -> type:
@@ -33,12 +78,10 @@ def value_type(annotation: Any) -> type:
     return annotation if annotation in (int, float, str, bool, Path) else str
 
 
-def add_fields(
-    parser: argparse.ArgumentParser, cls: type, names: tuple[str, ...] | None = None, prefix: str = ""
-) -> None:
+def add_fields(parser: argparse.ArgumentParser, cls: type, names: tuple[str, ...] | None = None) -> None:
     """One flag per `option` field of `cls` (or of those in `names`), with the field's default, choices and help;
-    `prefix` (e.g. "reconstruction_") goes before each flag's name and destination."""
-    hints = typing.get_type_hints(cls)
+    the class's `flag_prefix` (e.g. "reconstruction_"), if any, goes before each flag's name and destination."""
+    hints, prefix = typing.get_type_hints(cls), getattr(cls, "flag_prefix", "")
     for field in dataclasses.fields(cls):
         if "help" not in field.metadata or (names is not None and field.name not in names):
             continue
@@ -68,7 +111,7 @@ class Placement:
     dtype: str = option("float32", "the weights' dtype (the saved output's too)", DTYPES)
 
     def __post_init__(self) -> None:
-        check_choices(self)
+        check_fields(self)
         if self.device != "auto":
             try:
                 torch.device(self.device)

@@ -1,6 +1,8 @@
 """Writing output folders atomically: a run that stops half-way, even killed outright, leaves no half-written
 folder behind."""
 
+import json
+import math
 import os
 import re
 import shutil
@@ -13,6 +15,25 @@ from pathlib import Path
 # Beside OUT, a run writes `.OUT.<pid>.<8 random>` (and moves an old OUT to that name + ".replaced"), each marked by
 # STAGING_MARK holding the writer's host, so that only what this machine's dead writers left is ever touched.
 STAGING_MARK = ".egmla-staging"
+
+
+def non_finite(value) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def finite(value):
+    """`value` without its NaN or infinite numbers: left out of dicts (a score not measured is absent), None in
+    lists; what strict JSON and a model card's metadata can hold."""
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items() if not non_finite(item)}
+    if isinstance(value, (list, tuple)):
+        return [None if non_finite(item) else finite(item) for item in value]
+    return value
+
+
+def report_json(report: dict) -> str:
+    """A report as strict JSON (no NaN or Infinity, which JSON does not have)."""
+    return json.dumps(finite(report), indent=2, allow_nan=False) + "\n"
 
 
 def check_output_folder(out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = ()) -> Path:

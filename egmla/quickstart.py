@@ -7,7 +7,6 @@ real caches after `generate` (EG-MLA vs the MLA and Llama-MHA models of the same
 folder that reloads with `trust_remote_code=True`.
 """
 
-import json
 import math
 import random
 import time
@@ -22,8 +21,8 @@ from .data import EXCERPT, TOKENIZER
 from .hub import TINYSTORIES, SourceMetadata, perplexity_result, save_card, text_dataset
 from .measure import cache_bytes_per_token
 from .modeling_egmla import EGMLAForCausalLM
-from .options import option
-from .outputs import atomic_folder, check_output_folder
+from .options import check_fields, option
+from .outputs import atomic_folder, check_output_folder, report_json
 from .text import mean_loss, read_documents, split_documents, token_blocks
 from .training import FinetuneSettings, finetune
 
@@ -31,22 +30,25 @@ from .training import FinetuneSettings, finetune
 @dataclass
 class QuickstartSettings:
     out: Path = option(Path("runs/quickstart"), "output folder")
-    train_text: Path = option(EXCERPT, "<|endoftext|>-separated", flags=("--text",))
+    train_text: Path = option(EXCERPT, "<|endoftext|>-separated", flags=("--text",), input_file=True)
     tokenizer: Path = option(TOKENIZER, "tokenizer folder")
-    steps: int = option(500, "optimizer steps")
-    batch_size: int = option(16, "blocks per step")
-    block_size: int = option(128, "tokens per block")
-    learning_rate: float = option(3e-3, "peak learning rate", flags=("--lr",))
+    steps: int = option(500, "optimizer steps", bounds="[1, inf)")
+    batch_size: int = option(16, "blocks per step", bounds="[1, inf)")
+    block_size: int = option(128, "tokens per block", bounds="[2, inf)")
+    learning_rate: float = option(3e-3, "peak learning rate", flags=("--lr",), bounds="(0, inf)")
     held_out_fraction: float = 0.1
-    kv_lora_rank: int = option(16, "latent width")
-    gate_embedding_dim: int = option(64, "width of the gate tables; 0 = plain MLA", flags=("--gate-dim",))
+    kv_lora_rank: int = option(16, "latent width", bounds="[1, inf)")
+    gate_embedding_dim: int = option(
+        64, "width of the gate tables; 0 = plain MLA", flags=("--gate-dim",), bounds="[0, inf)"
+    )
     seed: int = option(0, "of the weights, the gate tables and the batches")
     overwrite: bool = option(False, "replace --out if it exists")
     license: str | None = None  # the card's licence (none is written unless given: the model is trained here)
 
     def __post_init__(self) -> None:
-        if self.steps <= 0:
-            raise ValueError(f"steps must be positive, got {self.steps}.")
+        check_fields(self)
+        if not Path(self.tokenizer).is_dir():
+            raise FileNotFoundError(f"tokenizer (--tokenizer): {self.tokenizer} is not a tokenizer folder.")
 
 
 def small_config(tokenizer: PreTrainedTokenizerBase, **overrides) -> EGMLAConfig:
@@ -155,7 +157,7 @@ def run_quickstart(settings: QuickstartSettings) -> dict:
     with atomic_folder(out, settings.overwrite) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / "quickstart_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        (staging / "quickstart_report.json").write_text(report_json(report))
         write_card(staging, out.name, report, settings)
 
     reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()

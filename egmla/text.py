@@ -24,15 +24,18 @@ def framed_ids(tokenizer: PreTrainedTokenizerBase, document: str) -> list[int]:
     return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
 
 
-def token_blocks(tokenizer: PreTrainedTokenizerBase, documents: list[str], block_size: int) -> torch.Tensor:
-    """Concatenates `<bos> document <eos>` for every document and cuts the stream into [N, block_size] blocks."""
+def token_blocks(
+    tokenizer: PreTrainedTokenizerBase, documents: list[str], block_size: int, source: str = "The text"
+) -> torch.Tensor:
+    """Concatenates `<bos> document <eos>` for every document and cuts the stream into [N, block_size] blocks;
+    `source` names the text in the error when it is shorter than one block."""
     stream: list[int] = []
     for document in documents:
         stream += framed_ids(tokenizer, document)
     usable = len(stream) // block_size * block_size
     if usable == 0:
         raise ValueError(
-            f"The text gives {len(stream)} tokens, fewer than one block of {block_size}: give more text, or a smaller "
+            f"{source} gives {len(stream)} tokens, fewer than one block of {block_size}: give more text, or a smaller "
             "--block-size."
         )
     return torch.tensor(stream[:usable]).view(-1, block_size)

@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .lora import LORA_TARGET_MODULES, gate_table_names
 from .modeling_egmla import EGMLAForCausalLM
-from .options import check_choices, option
+from .options import check_fields, option
 from .text import loss_and_accuracy, token_blocks
 
 STATE_FOLDER = "accelerate_state"
@@ -38,27 +38,29 @@ class FinetuneSettings:
     steps: int | None = option(
         200, "optimizer steps (default for retrofit and convert: what fits in --max-minutes; 0: no recovery)"
     )  # None: as many as fit in `max_minutes` (timed on the run's second step)
-    batch_size: int = option(8, "sequences per optimizer step on each process")
-    learning_rate: float = option(1e-3, "peak learning rate (linear warm-up, cosine decay)", flags=("--lr",))
-    warmup_steps: int = option(10, "steps of linear warm-up")
-    weight_decay: float = option(0.0, "AdamW weight decay")
-    temperature: float = option(1.0, "of distillation")
+    batch_size: int = option(8, "sequences per optimizer step on each process", bounds="[1, inf)")
+    learning_rate: float = option(
+        1e-3, "peak learning rate (linear warm-up, cosine decay)", flags=("--lr",), bounds="(0, inf)"
+    )
+    warmup_steps: int = option(10, "steps of linear warm-up", bounds="[0, inf)")
+    weight_decay: float = option(0.0, "AdamW weight decay", bounds="[0, inf)")
+    temperature: float = option(1.0, "of distillation", bounds="(0, inf)")
     distill_weight: float = 1.0
-    ce_weight: float = option(0.0, "next-token loss weight")
+    ce_weight: float = option(0.0, "next-token loss weight", bounds="[0, inf)")
     lora: bool = option(False, "LoRA adapters (merged at the end) instead of all weights")
-    lora_rank: int = option(16, "rank of the LoRA adapters")
+    lora_rank: int = option(16, "rank of the LoRA adapters", bounds="[1, inf)")
     attention_only: bool = option(
         False, "train only the attention layers and gate tables (what the conversion changed)"
     )
     train_gate_tables: bool = True
-    eval_every: int = option(100, "held-out perplexity every N steps (0: no)")
-    save_every: int = option(100, "checkpoint every N steps (0: at the end)")
+    eval_every: int = option(100, "held-out perplexity every N steps (0: no)", bounds="[0, inf)")
+    save_every: int = option(100, "checkpoint every N steps (0: at the end)", bounds="[0, inf)")
     checkpoint_dir: Path | None = None
     resume: bool = False
     seed: int = 0
-    max_minutes: float | None = option(None, "stop after this long (and say so)")
+    max_minutes: float | None = option(None, "stop after this long (and say so)", bounds="(0, inf)")
     gradient_accumulation_steps: int = option(
-        1, "micro-batches per optimizer step on each process", flags=("--grad-accum",)
+        1, "micro-batches per optimizer step on each process", flags=("--grad-accum",), bounds="[1, inf)"
     )
     mixed_precision: str = option(
         "no",
@@ -69,15 +71,11 @@ class FinetuneSettings:
     )
 
     def __post_init__(self) -> None:
-        check_choices(self)
+        check_fields(self)
         if self.steps is None and self.max_minutes is None:
             raise ValueError("steps=None sizes the run to max_minutes: give max_minutes too.")
         if self.steps is not None and self.steps <= 0:
-            raise ValueError(f"steps must be positive, got {self.steps}.")
-        if self.max_minutes is not None and self.max_minutes <= 0:
-            raise ValueError(f"max_minutes must be positive (or None: no limit), got {self.max_minutes}.")
-        if self.gradient_accumulation_steps <= 0:
-            raise ValueError(f"gradient_accumulation_steps must be positive, got {self.gradient_accumulation_steps}.")
+            raise ValueError(f"steps (--steps) must be positive, got {self.steps}.")
         if self.distill_weight <= 0 and self.ce_weight <= 0:
             raise ValueError("Nothing to train on: distill_weight and ce_weight are both 0.")
         if self.resume and self.checkpoint_dir is None:
@@ -180,6 +178,20 @@ def save_checkpoint(accelerator: Accelerator, folder: Path, step: int, history: 
         staging.rename(folder)
         shutil.rmtree(previous, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def resume_checkpoint(settings: "FinetuneSettings") -> Path | None:
+    """The checkpoint a `resume=True` run continues from (None when not resuming); an error naming the folder when
+    there is none, rather than a silent start from step 0."""
+    if not settings.resume:
+        return None
+    found = latest_checkpoint(Path(settings.checkpoint_dir) / "last")
+    if found is None:
+        raise ValueError(
+            f"--resume: {settings.checkpoint_dir} holds no checkpoint to resume from; give the --checkpoint-dir the "
+            "run saved into, or leave --resume out to start from step 0."
+        )
+    return found
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
@@ -343,10 +355,10 @@ def step_loss(
     return accelerator.reduce(total, reduction="mean").item()
 
 
-def resume_state(run: Run, checkpoint: Path | None, settings: FinetuneSettings) -> tuple[int, list[dict], int | None]:
+def resume_state(run: Run, settings: FinetuneSettings) -> tuple[int, list[dict], int | None]:
     """(the step to start at, the history so far, the run's total steps): from the last checkpoint when resuming,
     else (0, [], None)."""
-    resume_from = latest_checkpoint(checkpoint) if settings.resume and checkpoint is not None else None
+    resume_from = resume_checkpoint(settings)
     if resume_from is None:
         return 0, [], None
     run.accelerator.load_state(str(resume_from / STATE_FOLDER))
@@ -390,7 +402,7 @@ def train_loop(
     if teacher is not None:
         teacher = teacher.to(accelerator.device).eval()
     checkpoint = Path(settings.checkpoint_dir) / "last" if settings.checkpoint_dir else None
-    start_step, history, saved_steps = resume_state(run, checkpoint, settings)
+    start_step, history, saved_steps = resume_state(run, settings)
     started = time.time()
     if settings.steps is None:  # a resumed run keeps the schedule it started with
         steps = saved_steps

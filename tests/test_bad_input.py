@@ -103,7 +103,7 @@ CONVERSION_ROWS = [
         text_shorter_than_a_block,
         "fewer than one block of 32: give more text",
     ),
-    ("--kv-cut outside (0, 1)", kv_cut_outside, r"kv_cut must lie in \(0, 1\)"),
+    ("--kv-cut outside (0, 1)", kv_cut_outside, r"kv_cut \(--kv-cut\) must lie in \(0, 1\)"),
     ("--kv-cut leaving no latent", kv_cut_leaving_no_latent, "cut leaves .* lower rope_pairs or kv_cut"),
     ("a rank larger than the source allows", rank_too_large, r"rank must lie in \[1, 64\]"),
     ("NaN or inf in the source weights", nan_weights, "layers.1.self_attn.k_proj.weight holds NaN or inf"),
@@ -166,3 +166,183 @@ def test_a_conversion_that_will_not_fit_in_memory_is_warned_before_it_runs(monke
     main(["convert", str(source), "--out", str(tmp_path / "out"), *FAST, "--steps", "0", "--eval-documents", "2"])
     output = capsys.readouterr().out
     assert "it may run out of memory" in output and (tmp_path / "out" / "config.json").exists()
+
+
+# Every option, file and source is checked when the job is built: the CLI prints one line and exits with status 2
+# before loading the source's weights, and writes nothing. (README row, the command's arguments after `convert SRC
+# --out OUT`, the error.)
+def calibration_text(tmp: Path) -> str:
+    return str(text_file(tmp, "\n<|endoftext|>\n".join(["Once upon a time a small cat sat in the sun."] * 40)))
+
+
+def no_source(tmp: Path) -> tuple[Path, list[str]]:
+    return tmp / "nowhere", FAST
+
+
+def empty_source_folder(tmp: Path) -> tuple[Path, list[str]]:
+    (tmp / "src").mkdir()
+    return tmp / "src", FAST
+
+
+def missing_train_text(tmp: Path) -> tuple[Path, list[str]]:
+    return llama_folder(tmp / "src"), [*FAST, "--train-text", str(tmp / "typo.txt")]
+
+
+def empty_eval_text(tmp: Path) -> tuple[Path, list[str]]:
+    (tmp / "eval.txt").write_text("\n")
+    return llama_folder(tmp / "src"), [*FAST, "--eval-text", str(tmp / "eval.txt")]
+
+
+def flags(*given: str):
+    """The flags with a calibration text: the recovery runs, so its flags mean something."""
+    return lambda tmp: (llama_folder(tmp / "src"), [*FAST, "--train-text", calibration_text(tmp), *given])
+
+
+def without_text(*given: str):
+    return lambda tmp: (llama_folder(tmp / "src"), [*FAST, *given])
+
+
+def streamed_with(*given: str):
+    return lambda tmp: (llama_folder(tmp / "src"), [*FAST, "--stream", "--train-text", calibration_text(tmp), *given])
+
+
+def tokenizer_past_the_vocabulary(tmp: Path) -> tuple[Path, list[str]]:
+    return llama_folder(tmp / "src", vocab_size=256), FAST
+
+
+REFUSED_BEFORE_WORK = [
+    ("a source path that does not exist", no_source, "nowhere is not a local folder or file, nor a Hub model"),
+    ("an empty folder as source", empty_source_folder, "src has no config.json"),
+    ("--train-text that does not exist", missing_train_text, r"train_text \(--train-text\): .*typo.txt is not a file"),
+    ("--eval-text empty", empty_eval_text, r"eval_text \(--eval-text\): .*eval.txt is empty"),
+    ("--block-size 0", flags("--block-size", "0"), r"block_size \(--block-size\) must be >= 2, got 0"),
+    ("--eval-blocks 0", flags("--eval-blocks", "0"), r"eval_blocks \(--eval-blocks\) must be >= 1, got 0"),
+    ("--calibration-blocks 0", flags("--calibration-blocks", "0"), r"\(--calibration-blocks\) must be >= 1, got 0"),
+    ("--learning-rate -1", flags("--learning-rate", "-1"), r"learning_rate \(--learning-rate\) must be > 0, got -1"),
+    ("--max-minutes nan", flags("--max-minutes", "nan"), r"\(--max-minutes\) must be a number and be > 0, got nan"),
+    ("--batch-size 0", flags("--batch-size", "0"), r"batch_size \(--batch-size\) must be >= 1, got 0"),
+    ("--eval-documents 0", flags("--eval-documents", "0"), r"\(--eval-documents\) must be >= 1, got 0"),
+    (
+        "--reconstruction-learning-rate 0",
+        flags("--reconstruction-learning-rate", "0"),
+        r"\(--reconstruction-learning-rate\) must be > 0",
+    ),
+    ("--time-limit 0", flags("--time-limit", "0"), r"time_limit \(--time-limit\) must be > 0, got 0"),
+    ("--steps -1", flags("--steps", "-1"), r"steps \(--steps\) must be positive, got -1"),
+    ("--gate-position kv without a gate", flags("--gate-position", "kv"), "places a gate, and there is none"),
+    ("--stream with --steps", streamed_with("--steps", "5"), "--steps would do nothing: --stream fits layer by layer"),
+    ("--stream with --max-minutes", streamed_with("--max-minutes", "2"), "--max-minutes would do nothing: --stream"),
+    ("--stream with --score-stages", streamed_with("--score-stages"), "--score-stages would do nothing: --stream"),
+    ("--stream with --time-limit", streamed_with("--time-limit", "5"), "--time-limit would do nothing: --stream"),
+    ("--stream with --lora", streamed_with("--lora"), "--lora would do nothing: --stream"),
+    (
+        "recovery flags without --train-text",
+        without_text("--learning-rate", "1e-4", "--lora"),
+        "--learning-rate, --lora would do nothing: convert recovers the model only on text",
+    ),
+    ("recovery flags with --steps 0", flags("--steps", "0", "--batch-size", "2"), "--batch-size would do nothing"),
+    (
+        "a tokenizer larger than the model's vocabulary",
+        tokenizer_past_the_vocabulary,
+        "has 512 tokens, more than the model's vocab_size 256",
+    ),
+]
+
+
+@pytest.mark.parametrize(("row", "setup", "message"), REFUSED_BEFORE_WORK, ids=[row[0] for row in REFUSED_BEFORE_WORK])
+def test_bad_input_is_refused_in_one_line_with_status_2_before_the_weights_load(
+    tmp_path, monkeypatch, capsys, row, setup, message
+):
+    from egmla.conversion import pipeline, streaming
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the source's weights were loaded before the input was checked")
+
+    monkeypatch.setattr(pipeline, "load_llama", no_work)
+    monkeypatch.setattr(streaming, "SourceFiles", no_work)
+    source, given = setup(tmp_path)
+    before = digest(source) if source.exists() else None
+    out = tmp_path / "out"
+    capsys.readouterr()  # what writing the source printed
+    with pytest.raises(SystemExit, match=message) as refused:
+        main(["convert", str(source), "--out", str(out), *given])
+    assert refused.value.code == 2
+    printed = capsys.readouterr().err.strip().splitlines()
+    assert len(printed) == 1 and printed[0].startswith("egmla convert: ") and "Traceback" not in printed[0]
+    assert not out.exists() and not [path for path in tmp_path.iterdir() if path.name.startswith(".out")]
+    assert (digest(source) if source.exists() else None) == before
+
+
+@pytest.fixture(scope="module")
+def converted_student(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny Llama folder and its conversion (closed form, no recovery)."""
+    folder = tmp_path_factory.mktemp("finetune")
+    source = llama_folder(folder / "src")
+    main(["convert", str(source), "--out", str(folder / "student"), *FAST, "--steps", "0", "--eval-documents", "2"])
+    return source, folder / "student"
+
+
+def test_finetune_refuses_a_resume_without_checkpoints_and_a_teacher_that_is_not_the_source(
+    tmp_path, converted_student
+):
+    source, student = converted_student
+    text = calibration_text(tmp_path)
+    command = ["finetune", str(student), "--teacher", str(source), "--train-text", text, "--steps", "2"]
+    with pytest.raises(SystemExit, match=r"--resume: .*typo holds no checkpoint to resume from") as refused:
+        main([*command, "--out", str(tmp_path / "out"), "--resume", "--checkpoint-dir", str(tmp_path / "typo")])
+    assert refused.value.code == 2
+    other = llama_folder(tmp_path / "other", hidden_size=32, head_dim=8)
+    with pytest.raises(SystemExit, match="is not the student's source: its hidden_size is 32, the student's 64"):
+        main(["finetune", str(student), "--teacher", str(other), "--train-text", text, "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()
+
+
+def test_finetune_and_ppl_refuse_nan_weights_by_name(tmp_path, converted_student):
+    source, student = converted_student
+    damaged = tmp_path / "damaged"
+    model = tiny_llama(vocab_size=512)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(damaged)
+    with_tokenizer(damaged)
+    text = calibration_text(tmp_path)
+    with pytest.raises(SystemExit, match="The model's weight model.layers.0.mlp.up_proj.weight holds NaN or inf"):
+        main(["ppl", str(damaged), "--eval-text", text])
+    with pytest.raises(SystemExit, match="The source's weight model.layers.0.mlp.up_proj.weight holds NaN or inf"):
+        main(["finetune", str(student), "--teacher", str(damaged), "--train-text", text, "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match=r"block_size \(--block-size\) must be >= 2, got 1"):
+        main(["ppl", str(source), "--eval-text", text, "--block-size", "1"])
+
+
+def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from egmla.modeling_egmla import EGMLAForCausalLM
+
+    def full_disk(self, folder, *args, **kwargs):
+        (Path(folder) / "model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(EGMLAForCausalLM, "save_pretrained", full_disk)
+    source, out = llama_folder(tmp_path / "src"), tmp_path / "out"
+    with pytest.raises(SystemExit, match="No space left on device") as refused:
+        main(["convert", str(source), "--out", str(out), *FAST, "--steps", "0", "--eval-documents", "2"])
+    assert refused.value.code == 2 and "Traceback" not in capsys.readouterr().err
+    assert not out.exists() and not [path for path in tmp_path.iterdir() if path.name.startswith(".out")]
+
+
+def test_an_unreadable_source_card_is_said_unless_the_licence_is_given(tmp_path, monkeypatch):
+    from egmla import hub
+
+    folder = llama_folder(tmp_path / "src")
+    (folder / "README.md").write_text("---\nlicense: [unclosed\n---\n# a card\n")
+    with pytest.warns(UserWarning, match="Could not read the model card of .*README.md.*give --license ID"):
+        assert hub.source_metadata(folder).license is None
+    assert hub.source_metadata(folder, license="mit").license == "mit"
+
+    def offline(repo_id):
+        raise OSError("offline")
+
+    monkeypatch.setattr(hub.ModelCard, "load", offline)
+    with pytest.warns(UserWarning, match="Could not read the model card of someone/model .offline."):
+        assert hub.source_metadata("someone/model").base_model == "someone/model"

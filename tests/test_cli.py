@@ -8,8 +8,13 @@ from egmla.cli import build_parser, conversion_options, reconstruction_settings
 from egmla.conversion import ConversionOptions
 from egmla.conversion.pipeline import TextSettings
 from egmla.conversion.reconstruction import ReconstructionSettings
+from egmla.data import EXCERPT
 from egmla.quickstart import QuickstartSettings
 from egmla.training import FinetuneSettings
+from tests.utils import STORIES260K
+
+# A real source and text: a job checks both when it is built.
+SRC, TEXT = str(STORIES260K), str(EXCERPT)
 
 
 def options_of(*flags: str) -> ConversionOptions:
@@ -76,7 +81,7 @@ def test_rope_split_and_its_older_spellings(flags, rope_split):
 
 
 def test_a_choice_outside_a_fields_choices_is_refused_by_name():
-    with pytest.raises(ValueError, match="pair_selection must be one of"):
+    with pytest.raises(ValueError, match=r"pair_selection \(--[a-z-]+\) must be one of"):
         ConversionOptions(kv_cut=0.5, pair_selection="largest")
     with pytest.raises(ValueError, match="not both"):
         options_of("--kv-cut", "0.5", "--rope-split", "per_head", "--rope-mode", "auto")
@@ -89,7 +94,7 @@ def test_a_choice_outside_a_fields_choices_is_refused_by_name():
     [
         ([], {"max_minutes": 4.5, "attention_only": False, "learning_rate": 1e-4, "reconstruction_steps": 200,
               "reconstruction_batch_size": 4, "time_limit": None}),
-        (["--train-text", "T.txt"], {"max_minutes": 7.0, "attention_only": True, "learning_rate": 2e-4,
+        (["--train-text", TEXT], {"max_minutes": 7.0, "attention_only": True, "learning_rate": 2e-4,
                                      "reconstruction_steps": 100, "reconstruction_batch_size": 4, "time_limit": None}),
         (["--max-minutes", "2", "--learning-rate", "3e-4", "--time-limit", "30"],
          {"max_minutes": 2.0, "learning_rate": 3e-4, "time_limit": 30.0}),
@@ -104,7 +109,7 @@ def test_retrofit_settings_follow_its_text_unless_given(monkeypatch, flags, expe
 
     jobs = []
     monkeypatch.setattr(cli, "run_conversion", jobs.append)
-    cli.main(["retrofit", "SRC.gguf", "--out", "OUT", *flags])
+    cli.main(["retrofit", SRC, "--out", "OUT", *flags])
     finetune, reconstruction = jobs[0].finetune, jobs[0].reconstruction
     settings = {
         **vars(finetune),
@@ -124,12 +129,12 @@ def test_the_main_job_keeps_its_minutes(monkeypatch):
 
     jobs = []
     monkeypatch.setattr(cli, "run_conversion", jobs.append)
-    monkeypatch.setattr(cli, "smollm2_gguf", lambda: "SMOLLM2.gguf")
+    monkeypatch.setattr(cli, "smollm2_gguf", lambda: SRC)
     cli.main(["retrofit", "--out", "OUT"])
-    cli.main(["retrofit", "--out", "OUT", "--train-text", "T.txt"])
+    cli.main(["retrofit", "--out", "OUT", "--train-text", TEXT])
     cli.main(["retrofit", "--out", "OUT", "--time-limit", "30"])
-    cli.main(["convert", "SRC.gguf", "OUT", "--kv-cut", "0.5"])
-    cli.main(["convert", "SRC.gguf", "OUT", "--kv-cut", "0.5", "--time-limit", "12"])
+    cli.main(["convert", SRC, "OUT", "--kv-cut", "0.5"])
+    cli.main(["convert", SRC, "OUT", "--kv-cut", "0.5", "--time-limit", "12"])
     assert [job.time_limit for job in jobs] == [15.0, 20.0, 30.0, None, 12.0]
 
 
@@ -138,9 +143,9 @@ def test_a_flag_whose_default_is_true_can_be_turned_off(monkeypatch):
 
     jobs = []
     monkeypatch.setattr(cli, "run_conversion", jobs.append)
-    cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--train-text", "T.txt", "--no-attention-only"])
+    cli.main(["retrofit", SRC, "--out", "OUT", "--train-text", TEXT, "--no-attention-only"])
     assert not jobs[0].finetune.attention_only
-    cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--train-text", "T.txt", "--lora"])  # LoRA chooses what trains
+    cli.main(["retrofit", SRC, "--out", "OUT", "--train-text", TEXT, "--lora"])  # LoRA chooses what trains
     assert jobs[1].finetune.lora and not jobs[1].finetune.attention_only
 
 
@@ -149,8 +154,8 @@ def test_retrofit_refuses_a_recovery_of_no_minutes(monkeypatch):
     import egmla.cli as cli
 
     monkeypatch.setattr(cli, "run_conversion", lambda job: None)
-    with pytest.raises(SystemExit, match="max_minutes must be positive"):
-        cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--max-minutes", "0"])
+    with pytest.raises(SystemExit, match=r"max_minutes \(--max-minutes\) must be > 0"):
+        cli.main(["retrofit", SRC, "--out", "OUT", "--max-minutes", "0"])
     for minutes in ("-1", "nan"):
-        with pytest.raises(SystemExit, match="time_limit must be positive"):
-            cli.main(["retrofit", "SRC.gguf", "--out", "OUT", "--time-limit", minutes])
+        with pytest.raises(SystemExit, match=r"time_limit \(--time-limit\) must be (a number and be )?> 0"):
+            cli.main(["retrofit", SRC, "--out", "OUT", "--time-limit", minutes])

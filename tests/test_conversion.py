@@ -279,7 +279,7 @@ def test_refuses_what_it_cannot_convert(tmp_path):
         convert_llama_to_egmla(
             teacher, ConversionOptions(kv_lora_rank=8, rope_pairs=17, factorization="weight", gate_embedding_dim=0)
         )
-    with pytest.raises(ValueError, match="rope_split must be one of"):
+    with pytest.raises(ValueError, match=r"rope_split \(--[a-z-]+\) must be one of"):
         convert_llama_to_egmla(
             teacher, ConversionOptions(kv_lora_rank=8, rope_split="some", factorization="weight", gate_embedding_dim=0)
         )
@@ -363,14 +363,29 @@ def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_so
 def test_cli_flags_are_the_field_names_and_the_old_spellings_still_parse():
     from egmla.cli import build_parser, conversion_options, from_args
     from egmla.conversion.pipeline import TextSettings
+    from egmla.data import EXCERPT as text  # a file that exists: the settings check it
 
     parse = build_parser().parse_args
-    new = parse(["convert", "SRC", "--out", "OUT", "--kv-cut", "0.5", "--gate-embedding-dim", "8", "--train-text", "T"])
+    new = parse(
+        ["convert", "SRC", "--out", "OUT", "--kv-cut", "0.5", "--gate-embedding-dim", "8", "--train-text", str(text)]
+    )
     old = parse(
-        ["convert", "SRC", "OUT", "--kv-cut", "0.5", "--gate-dim", "8", "--calib-text", "T", "--calib-blocks", "32"]
+        [
+            "convert",
+            "SRC",
+            "OUT",
+            "--kv-cut",
+            "0.5",
+            "--gate-dim",
+            "8",
+            "--calib-text",
+            str(text),
+            "--calib-blocks",
+            "32",
+        ]
     )
     assert conversion_options(new) == conversion_options(old) == ConversionOptions(kv_cut=0.5, gate_embedding_dim=8)
-    assert from_args(TextSettings, new) == from_args(TextSettings, old) == TextSettings(train_text=Path("T"))
+    assert from_args(TextSettings, new) == from_args(TextSettings, old) == TextSettings(train_text=Path(text))
     tune = ["finetune", "S", "--teacher", "T", "--out", "O"]
     assert vars(parse([*tune, "--lr", "0.1", "--grad-accum", "2"])) == vars(
         parse([*tune, "--learning-rate", "0.1", "--gradient-accumulation-steps", "2"])
@@ -389,11 +404,13 @@ def test_convert_recovers_on_the_calibration_text_by_default_and_not_without_tex
     import egmla.cli as cli
     from egmla.conversion.pipeline import CONVERT_DEFAULTS
 
-    jobs = []
+    from egmla.data import EXCERPT
+
+    jobs, source, text = [], str(STORIES260K), str(EXCERPT)
     monkeypatch.setattr(cli, "run_conversion", jobs.append)
-    main(["convert", "SRC", "OUT", "--kv-cut", "0.5", "--train-text", "T"])
-    main(["convert", "SRC", "OUT", "--kv-cut", "0.5", "--train-text", "T", "--steps", "0"])
-    main(["convert", "SRC", "OUT", "--kv-cut", "0.5"])  # data-free: the closed form and the layer-wise fit only
+    main(["convert", source, "--out", "OUT", "--kv-cut", "0.5", "--train-text", text])
+    main(["convert", source, "--out", "OUT", "--kv-cut", "0.5", "--train-text", text, "--steps", "0"])
+    main(["convert", source, "--out", "OUT", "--kv-cut", "0.5"])  # data-free: the closed form and the layer-wise fit only
     recovery, off, data_free = (job.finetune for job in jobs)
     assert recovery.steps is None and recovery.max_minutes == CONVERT_DEFAULTS["max_minutes"]
     assert off is None and data_free is None
@@ -559,9 +576,9 @@ def test_layer_wise_reconstruction_lowers_the_block_errors_it_fits(fit_gate, mix
         assert not any("gate_" in name for name in changed)
         assert all(layer.self_attn.gate_embedding_proj.weight.count_nonzero() == 0 for layer in student.model.layers)
     assert all(parameter.requires_grad for parameter in student.parameters())
-    with pytest.raises(ValueError, match="reconstruction steps must be >= 0"):
+    with pytest.raises(ValueError, match=r"steps \(--reconstruction-steps\) must be >= 0"):
         ReconstructionSettings(steps=-1)
-    with pytest.raises(ValueError, match="mixed_precision must be one of"):
+    with pytest.raises(ValueError, match=r"mixed_precision \(--[a-z-]+\) must be one of"):
         ReconstructionSettings(mixed_precision="fp16")
 
 
@@ -625,7 +642,7 @@ def test_the_fitted_gate_lowers_the_errors_it_fits_and_leaves_unseen_tokens_at_t
     before = copy.deepcopy(student.state_dict())
     assert fit_gate(student, teacher, blocks, latent_plan, shrinkage=16.0) == []  # nothing to fit there
     assert all(torch.equal(before[name], tensor) for name, tensor in student.state_dict().items())
-    with pytest.raises(ValueError, match="gate_init must be one of"):
+    with pytest.raises(ValueError, match=r"gate_init \(--[a-z-]+\) must be one of"):
         ReconstructionSettings(gate_init="random")
 
 
@@ -667,7 +684,7 @@ def test_the_recovery_gets_what_remains_of_the_time_limit():
     from egmla.training import FinetuneSettings
 
     settings = FinetuneSettings(steps=None, max_minutes=4.5)
-    job = ConversionJob("SRC", "OUT", ConversionOptions(kv_cut=0.5), TextSettings(), time_limit=15.0)
+    job = ConversionJob(str(STORIES260K), "OUT", ConversionOptions(kv_cut=0.5), TextSettings(), time_limit=15.0)
     now = time.time()
     assert recovery_deadline(dataclasses.replace(job, time_limit=None), now, 60.0) is None
     assert recovery_within_limit(settings, None, 15.0) is settings
@@ -677,7 +694,7 @@ def test_the_recovery_gets_what_remains_of_the_time_limit():
     cut = recovery_within_limit(settings, recovery_deadline(job, now - 11 * 60, 60.0), 15.0)
     assert cut.max_minutes == pytest.approx(4 - 1.35 - 0.75, abs=0.02) and cut.steps is None
     assert recovery_within_limit(settings, recovery_deadline(job, now - 14 * 60, 60.0), 15.0) is None
-    with pytest.raises(ValueError, match="time_limit must be positive"):
+    with pytest.raises(ValueError, match=r"time_limit \(--time-limit\) must be > 0"):
         ConversionJob("SRC", "OUT", ConversionOptions(kv_cut=0.5), TextSettings(), time_limit=0)
 
 
@@ -763,7 +780,7 @@ def test_the_source_sampler_varies_its_prompts_and_temperatures_and_drops_loops(
     prompts = source_prompts(tokenizer)
     assert len(prompts) == len(OPENINGS) + len(REQUESTS)
     assert tokenizer.decode(prompts[-1]).endswith(REQUESTS[-1] + "<|assistant|>")
-    with pytest.raises(ValueError, match="temperatures must be positive"):
+    with pytest.raises(ValueError, match=r"sample_temperatures \(--sample-temperatures\) must be > 0"):
         TextSettings(sample_temperatures=(0.5, 0.0))
 
 

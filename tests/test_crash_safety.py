@@ -96,7 +96,8 @@ def kill_when(command: list[str], condition) -> bool:
 def test_a_killed_finetune_resumes_to_the_losses_of_an_uninterrupted_run(tmp_path):
     source = llama_folder(tmp_path / "src")
     student = tmp_path / "student"
-    tiny_model(vocab_size=512, hidden_size=64, num_attention_heads=4).save_pretrained(student)
+    # shaped as its source (a conversion keeps the widths, the vocabulary and the MLP)
+    tiny_model(vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4).save_pretrained(student)
     text = tmp_path / "text.txt"
     text.write_text("\n<|endoftext|>\n".join(f"Story {i}: the cat sat on the mat and ran far away." for i in range(80)))
     straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"

@@ -10,7 +10,14 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from egmla.cli import main
 from egmla.conversion import AttentionShape, ConversionOptions, attention_shape, convert_llama_to_egmla, load_llama
-from tests.utils import SOURCE_FAMILIES, assert_same_model, tiny_source, tiny_values, with_tokenizer
+from tests.utils import (
+    SOURCE_FAMILIES,
+    TOKENIZER_SIZE,
+    assert_same_model,
+    tiny_source,
+    tiny_values,
+    with_tokenizer,
+)
 
 # Full rank per mode on the tiny shape (2 KV heads of 16 dims, 64 wide): every pair in the rope keys, so the latent
 # holds the values (32 rows); "exact": every key and value row (2 x (16 + 16) = 64).
@@ -98,7 +105,7 @@ def test_a_source_saved_with_its_librarys_defaults_converts_exactly_at_full_rank
 def test_egmla_convert_takes_a_qwen2_folder_without_head_dim(tmp_path):
     """The command with its default split search (which reads the head size for its candidates), calibration and
     scoring, on a folder as transformers saves a Qwen2."""
-    folder = with_tokenizer(library_default_source("qwen2", tmp_path / "qwen2", None, vocab_size=512))
+    folder = with_tokenizer(library_default_source("qwen2", tmp_path / "qwen2", None, TOKENIZER_SIZE["qwen2"]))
     out = tmp_path / "out"
     main(["convert", str(folder), "--out", str(out), "--kv-cut", "0.5", "--reconstruction-steps", "0", "--steps", "0",
           "--calibration-blocks", "4", "--block-size", "32", "--eval-documents", "2"])  # fmt: skip

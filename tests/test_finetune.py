@@ -100,7 +100,7 @@ def test_bf16_autocast_trains_and_hands_back_a_model_that_runs_in_fp32(pair, mon
     monkeypatch.setattr(finetune_module, "native_bf16", lambda device: True)
     assert finetune_module.uses_bf16("auto", cpu, wide) and not finetune_module.uses_bf16("auto", cpu, narrow)
     assert not finetune_module.uses_bf16("no", cpu, wide)
-    with pytest.raises(ValueError, match="mixed_precision must be one of"):
+    with pytest.raises(ValueError, match=r"mixed_precision \(--[a-z-]+\) must be one of"):
         FinetuneSettings(mixed_precision="fp16")
 
 
@@ -239,7 +239,7 @@ def test_resume_falls_back_to_the_previous_checkpoint(tmp_path):
     (tmp_path / "last").rename(tmp_path / "last.previous")
     resumed = finetune(student, teacher, blocks, FinetuneSettings(**settings, resume=True))
     assert resumed.steps_done == 4 and len(resumed.history) == 4
-    with pytest.raises(ValueError, match="steps must be positive"):
+    with pytest.raises(ValueError, match=r"steps \(--steps\) must be positive"):
         finetune(student, teacher, blocks, FinetuneSettings(steps=0))
 
 

@@ -23,7 +23,9 @@ from egmla.modeling_egmla import (
 )
 from tests.utils import FUSED, KERNEL, tiny_config, tiny_model
 
-triton_decode = pytest.importorskip("egmla.kernels.triton_decode", reason="Triton is not installed")
+# Only the tests that run Triton need it: the compiled and reference paths run without it.
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+BACKENDS = ["compiled", pytest.param("triton", marks=needs_triton)]
 
 # context length, new tokens, rope key heads, gate width, gate norm, left padding of the first row
 CASES = [
@@ -107,6 +109,7 @@ def relative_error(output: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.parametrize("gate_position", ["kv", "latent"])
 @pytest.mark.parametrize(("key_length", "query_length", "rope_key_heads", "gate_dim", "gate_norm", "padding"), CASES)
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@needs_triton
 def test_triton_kernels_equal_the_reference(
     gate_position, key_length, query_length, rope_key_heads, gate_dim, gate_norm, padding, dtype, tolerance
 ):
@@ -121,6 +124,7 @@ def test_triton_kernels_equal_the_reference(
 
 
 @pytest.mark.parametrize("split_size", [16, 32, 64])
+@needs_triton
 def test_unwritten_outputs_fail_and_splits_merge(split_size):
     """The kernels write into NaN-filled buffers (an element no program writes stays NaN), and every split size,
     one split or several, merges to the same result."""
@@ -135,6 +139,8 @@ def test_unwritten_outputs_fail_and_splits_merge(split_size):
         module.gate_norm.weight, module.gate_norm.variance_epsilon, module.scaling, 16, 2,
     )  # fmt: skip
     out = torch.full((2, 2, 4, 12), float("nan"))
+    from egmla.kernels import triton_decode
+
     triton_decode.decode_kv(inputs, weights, split_size=split_size, block_t=16, out=out)
     assert torch.isfinite(out).all()
     assert relative_error(out, reference(module, call, mask)) <= 1e-4
@@ -170,7 +176,7 @@ def test_compiled_path_equals_the_reference(gate_position):
 @pytest.mark.parametrize(
     "vocabulary", [pytest.param(6, id="repeated-tokens"), pytest.param(1000, id="distinct-tokens")]
 )
-@pytest.mark.parametrize("backend", ["compiled", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_gate_once_per_distinct_token_equals_the_reference(vocabulary, backend):
     """The model looks the gate rows up once per distinct token (rows [U, de] and the index of every position);
     both backends, and the reference, gather them per position."""
@@ -199,7 +205,7 @@ def test_gate_once_per_distinct_token_equals_the_reference(vocabulary, backend):
         assert relative_error(output, expected) <= 1e-4
 
 
-@pytest.mark.parametrize("backend", ["triton", "compiled"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("gate_position", "q_lora_rank"), [("kv", None), ("latent", 12)])
 def test_generate_with_egmla_fused_gives_the_reference_tokens(monkeypatch, backend, gate_position, q_lora_rank):
     model = tiny_model(seed=1, base=FUSED, gate_std=0.3, gate_position=gate_position, q_lora_rank=q_lora_rank)
@@ -289,7 +295,7 @@ def test_an_unknown_decode_contract_goes_to_the_reference_path(caplog):
     assert f"decode contract is version {LATENT_DECODE_VERSION + 1}" in caplog.text
 
 
-@pytest.mark.parametrize("backend", ["compiled", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     ("gate_position", "gate_dim", "gate_norm"), [("kv", 10, "rms"), ("latent", 10, "rms"), ("kv", 0, "none")]
 )
@@ -309,7 +315,8 @@ def test_fused_paths_equal_the_reference_in_exact_rope_mode(backend, gate_positi
 
 
 @pytest.mark.parametrize("gate_position", ["kv", "latent"])
-def test_generate_in_exact_rope_mode_with_egmla_fused_gives_the_reference_tokens(gate_position):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_generate_in_exact_rope_mode_with_egmla_fused_gives_the_reference_tokens(gate_position, backend):
     model = tiny_model(seed=1, base=FUSED, gate_std=0.3, gate_position=gate_position, rope_key_heads=1,
                        rope_mode="exact")  # fmt: skip
     prompts = torch.randint(1, 8, (2, 9), generator=torch.Generator().manual_seed(2))
@@ -318,11 +325,11 @@ def test_generate_in_exact_rope_mode_with_egmla_fused_gives_the_reference_tokens
     settings = {"attention_mask": attention_mask, "max_new_tokens": 8, "do_sample": False}
     model.set_attn_implementation("eager")
     expected = model.generate(prompts, **settings)
-    for implementation in ("egmla_fused_compiled", "egmla_fused_triton"):
-        model.set_attn_implementation(implementation)
-        assert torch.equal(model.generate(prompts, **settings), expected), implementation
+    model.set_attn_implementation(f"egmla_fused_{backend}")
+    assert torch.equal(model.generate(prompts, **settings), expected)
 
 
+@needs_triton
 def test_the_gpu_benchmark_script_runs(tmp_path):
     """benchmarks/gpu_decode.py is meant for a GPU; --smoke runs its whole path on tiny shapes in the interpreter."""
     import subprocess
@@ -342,6 +349,7 @@ def test_the_gpu_benchmark_script_runs(tmp_path):
     assert rows[1:] == ["kv", "exact", "latent", "mla"]  # a header, then one row per decode path
 
 
+@needs_triton
 def test_triton_leaves_steps_under_autograd_to_the_reference():
     module = attention_module("kv", 1, 10, "rms")
     call, mask = decode_step(module, 1, 7, 1, 0)
@@ -351,6 +359,7 @@ def test_triton_leaves_steps_under_autograd_to_the_reference():
         assert kernels.fused_decode(module, call, mask[:, None], "triton") is not None
 
 
+@needs_triton
 def test_the_default_is_the_verified_torch_path_on_cuda_too_and_egmla_fused_is_opt_in(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert EGMLAForCausalLM(tiny_config(FUSED)).config._attn_implementation == "sdpa"
@@ -458,7 +467,8 @@ def test_the_re_expansion_rebuilds_only_keys_where_no_gate_sits_on_the_values(
 
 
 @pytest.mark.parametrize(("gate_position", "gate_dim"), [("kv", 10), ("latent", 10)])
-def test_the_fused_kernels_read_the_caches_rows_where_they_lie(gate_position, gate_dim):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_fused_kernels_read_the_caches_rows_where_they_lie(gate_position, gate_dim, backend):
     """The latent and rope keys as the caches hand them: views of one storage of rows [latent ; rope key] with
     room to spare. Both backends read them in place and give what contiguous copies give."""
     module = attention_module(gate_position, 1, gate_dim, "rms")
@@ -468,6 +478,28 @@ def test_the_fused_kernels_read_the_caches_rows_where_they_lie(gate_position, ga
     storage[:, :, :37, :rank], storage[:, :, :37, rank:] = call.latent, call.rope_key
     rows = call._replace(latent=storage[:, :, :37, :rank], rope_key=storage[:, :, :37, rank:])
     assert not rows.latent.is_contiguous()
-    for backend in ("triton", "compiled"):
-        expected = kernels.fused_decode(module, call, mask[:, None], backend)
-        torch.testing.assert_close(kernels.fused_decode(module, rows, mask[:, None], backend), expected)
+    expected = kernels.fused_decode(module, call, mask[:, None], backend)
+    torch.testing.assert_close(kernels.fused_decode(module, rows, mask[:, None], backend), expected)
+
+
+def test_a_compiled_backend_asked_for_by_name_raises_its_error_and_only_the_automatic_choice_falls_back(
+    monkeypatch, caplog
+):
+    def broken_compiler(*args):
+        raise RuntimeError("the compiler broke")
+
+    monkeypatch.setattr(dispatch, "run_step", broken_compiler)
+    monkeypatch.setattr(dispatch, "_compile_failed", [])
+    monkeypatch.setattr(dispatch, "_logged", set())
+    monkeypatch.setattr(dispatch, "KERNEL_OVERRIDE", None)
+    model = tiny_model(seed=1, base=FUSED, gate_position="latent")
+    prompts = torch.randint(1, 80, (1, 6), generator=torch.Generator().manual_seed(3))
+    model.set_attn_implementation("eager")
+    expected = model.generate(prompts, max_new_tokens=3, do_sample=False)
+    model.set_attn_implementation("egmla_fused_compiled")
+    with pytest.raises(RuntimeError, match="torch.compile of the decode step failed.*the compiler broke"):
+        model.generate(prompts, max_new_tokens=3, do_sample=False)
+    model.set_attn_implementation("egmla_fused")
+    with caplog.at_level(logging.WARNING, logger="egmla.kernels.dispatch"):
+        assert torch.equal(model.generate(prompts, max_new_tokens=3, do_sample=False), expected)
+    assert caplog.text.count("torch.compile failed") == 1  # said once, then the reference path without retrying

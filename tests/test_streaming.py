@@ -27,7 +27,7 @@ from egmla.text import (
     split_documents,
     token_blocks,
 )
-from tests.utils import tiny_source, with_tokenizer
+from tests.utils import TOKENIZER_SIZE, tiny_source, with_tokenizer
 
 FLAGS = ["--train-text", str(EXCERPT), "--calibration-blocks", "8", "--block-size", "64"]
 CLOSED_FORM = ["--reconstruction-steps", "0"]
@@ -41,7 +41,9 @@ SPLITS = {
 
 
 def sharded_source(folder: Path, family: str) -> Path:
-    tiny_source(family, vocab_size=512).save_pretrained(folder, max_shard_size="100KB")  # several files, an index
+    tiny_source(family, vocab_size=TOKENIZER_SIZE[family]).save_pretrained(
+        folder, max_shard_size="100KB"
+    )  # several files, an index
     return with_tokenizer(folder)
 
 

@@ -186,6 +186,10 @@ FAST = ["--kv-lora-rank", "16", "--rope-mode", "exact", "--reconstruction-steps"
         "--block-size", "32"]  # fmt: skip
 
 
+# The stories260K tokenizer's size in each family's folder: Qwen2's tokenizer class adds <|endoftext|> (id 512).
+TOKENIZER_SIZE = {"llama": 512, "llama-bias": 512, "mistral": 512, "qwen2": 513}
+
+
 def with_tokenizer(folder: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER / name, folder / name)
@@ -194,7 +198,7 @@ def with_tokenizer(folder: Path) -> Path:
 
 def llama_folder(folder: Path, **overrides) -> Path:
     """A tiny random Llama saved with the stories260K tokenizer (its vocabulary of 512)."""
-    tiny_llama(vocab_size=512, **overrides).save_pretrained(folder)
+    tiny_llama(**{"vocab_size": 512, **overrides}).save_pretrained(folder)
     return with_tokenizer(folder)
 
 

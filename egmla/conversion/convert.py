@@ -22,7 +22,7 @@ from transformers import LlamaForCausalLM
 
 from ..configuration_egmla import GATE_POSITIONS, EGMLAConfig
 from ..modeling_egmla import EGMLAForCausalLM
-from ..options import check_choices, option
+from ..options import check_fields, option
 from .calibration import LayerStatistics
 from .factorization import FACTORIZATIONS, RANK_ALLOCATIONS, Factorization, allocate_ranks, factorize, output_weights
 from .rope import PAIR_SELECTIONS, RopeSplit, llama_rope_parameters, split_rope
@@ -37,8 +37,10 @@ class ConversionOptions:
     `kv_cut`; every other field has the default the `egmla` commands use (the CLI's flags are made from these
     fields: `--rope-split` sets `rope_split`)."""
 
-    kv_lora_rank: int | None = option(None, "latent width")
-    kv_cut: float | None = option(None, "or: the fraction of the source's K/V values per token to remove")
+    kv_lora_rank: int | None = option(None, "latent width", bounds="[1, inf)")
+    kv_cut: float | None = option(
+        None, "or: the fraction of the source's K/V values per token to remove", bounds="(0, 1)"
+    )
     rope_split: str = option(
         "auto",
         "where RoPE goes. auto: the best width of a shared rope key on held-out calibration blocks at the same budget "
@@ -48,14 +50,18 @@ class ConversionOptions:
         choices=ROPE_SPLITS,
     )
     rope_pairs: int | None = option(
-        None, "rotary pairs in each rope key (default: head_dim // 4 shared, head_dim // 16 per head)"
+        None,
+        "rotary pairs in each rope key (default: head_dim // 4 shared, head_dim // 16 per head)",
+        bounds="[1, inf)",
     )
     pair_selection: str = option(
         "rotation", "which pairs keep rotating: contribution x rotation variance, or MHA2MLA's 2-norm", PAIR_SELECTIONS
     )
     # 0 by default: at the same budget the gate on the latent changed held-out perplexity by less than 0.1%
     # (stories260K, 50% cut, measured with recovery) for 54% more parameters. The gate starts as the identity.
-    gate_embedding_dim: int = option(0, "width of the gate tables; 0 = plain MLA", flags=("--gate-dim",))
+    gate_embedding_dim: int = option(
+        0, "width of the gate tables; 0 = plain MLA", flags=("--gate-dim",), bounds="[0, inf)"
+    )
     gate_position: str = option(
         "latent",
         "latent: the gate scales the cached latent (absorbed decode); kv: the paper's gate on the rebuilt K/V (every "
@@ -68,8 +74,12 @@ class ConversionOptions:
     rank_allocation: str = option(
         "uniform", "every layer kv_lora_rank, or per-layer ranks by retained energy (same total)", RANK_ALLOCATIONS
     )
-    damping: float = option(1e-2, "added to the covariance before whitening, as a fraction of its mean diagonal")
-    key_value_balance: float = option(0.5, "weight of key errors against value errors (chosen on stories260K)")
+    damping: float = option(
+        1e-2, "added to the covariance before whitening, as a fraction of its mean diagonal", bounds="[0, inf)"
+    )
+    key_value_balance: float = option(
+        0.5, "weight of key errors against value errors (chosen on stories260K)", bounds="(0, inf)"
+    )
     seed: int = 0  # of the gate tables' random rows (the CLI's --seed, shared with sampling and training)
 
     @property
@@ -78,24 +88,18 @@ class ConversionOptions:
         return self.rope_split if self.rope_split in ("auto", "exact") else "decoupled"
 
     def __post_init__(self) -> None:
-        check_choices(self)
+        check_fields(self)
         if (self.kv_lora_rank is None) == (self.kv_cut is None):
             raise ValueError("Give exactly one of kv_lora_rank and kv_cut.")
-        if self.kv_cut is not None and not 0 < self.kv_cut < 1:
-            raise ValueError(f"kv_cut must lie in (0, 1), got {self.kv_cut}.")
-        for name, value in (("kv_lora_rank", self.kv_lora_rank), ("rope_pairs", self.rope_pairs)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}.")
-        if self.gate_embedding_dim < 0:
-            raise ValueError(f"gate_embedding_dim must be >= 0 (0 turns the gate off), got {self.gate_embedding_dim}.")
-        if self.damping < 0:
-            raise ValueError(f"damping must be >= 0, got {self.damping}.")
+        if self.gate_embedding_dim == 0 and self.gate_position != "latent":
+            raise ValueError(
+                f"gate_position={self.gate_position!r} (--gate-position) places a gate, and there is none: give "
+                "--gate-embedding-dim N (N > 0) too, or leave --gate-position out."
+            )
         if self.rope_split == "auto" and self.rope_pairs is not None:
             object.__setattr__(self, "rope_split", "shared")  # a given width leaves nothing to choose
         if self.rope_split == "exact" and self.rope_pairs is not None:
             raise ValueError("rope_pairs sets the decoupled rope key; rope_split='exact' keeps every pair exact.")
-        if self.key_value_balance <= 0:
-            raise ValueError(f"key_value_balance must be positive, got {self.key_value_balance}.")
 
 
 @dataclass(frozen=True)

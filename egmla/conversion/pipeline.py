@@ -1,7 +1,6 @@
 """The jobs behind `egmla retrofit` (the main job), `egmla convert`, `egmla finetune` and `egmla ppl`."""
 
 import dataclasses
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -16,8 +15,8 @@ from ..data import EXCERPT, WIKIPEDIA_HELD_OUT
 from ..hub import public_name, source_metadata, text_dataset
 from ..measure import kv_values_per_token
 from ..modeling_egmla import EGMLAForCausalLM
-from ..options import Placement, check_choices, option
-from ..outputs import atomic_folder, check_output_folder
+from ..options import Placement, check_bounds, check_fields, check_text_file, option
+from ..outputs import atomic_folder, check_output_folder, report_json
 from ..sampling import OPENINGS, Sampling, repeated_ngram_share, sample_blocks, sample_documents, source_prompts
 from ..text import (
     document_ids,
@@ -31,7 +30,15 @@ from ..text import (
     split_documents,
     token_blocks,
 )
-from ..training import MIXED_PRECISIONS, FinetuneSettings, bf16_autocast, finetune, settings_summary, uses_bf16
+from ..training import (
+    MIXED_PRECISIONS,
+    FinetuneSettings,
+    bf16_autocast,
+    finetune,
+    resume_checkpoint,
+    settings_summary,
+    uses_bf16,
+)
 from .calibration import FITTED_CONTEXT
 from .convert import ConversionOptions, build_student
 from .decode_cost import cost_row, egmla_cost, measure_decode, rebuild_warning, source_cost
@@ -40,7 +47,15 @@ from .memory import memory_warning
 from .plan import plan_conversion
 from .reconstruction import ReconstructionSettings, reconstruct_layers
 from .report import print_report, write_finetune_card, write_model_card
-from .source import load_llama, load_tokenizer, split_gguf
+from .source import (
+    check_finite,
+    check_tokenizer,
+    load_llama,
+    load_tokenizer,
+    read_config,
+    source_config,
+    split_gguf,
+)
 from .timing import StageTimes
 
 # `egmla retrofit`'s settings by whether text is given (a flag given wins). With text: a layer-wise fit of 100 Adam
@@ -99,30 +114,41 @@ class TextSettings:
         None,
         "<|endoftext|>-separated text for calibration and fitting; without it, text is sampled from the source",
         flags=("--calib-text",),
+        input_file=True,
     )
     eval_text: Path | None = option(
-        None, "held-out text (default: the last 10% of the fitting text, or the embedded excerpt)"
+        None, "held-out text (default: the last 10% of the fitting text, or the embedded excerpt)", input_file=True
     )
-    block_size: int = option(256, "tokens per block cut from the fitting text")
-    sampled_block_size: int = option(256, "tokens per block sampled from the source when no text is given")
+    block_size: int = option(256, "tokens per block cut from the fitting text", bounds="[2, inf)")
+    sampled_block_size: int = option(
+        256, "tokens per block sampled from the source when no text is given", bounds="[2, inf)"
+    )
     # At the same tokens per step: the fitted length is what a model is good at.
     recovery_block_size: int | None = option(
-        None, "tokens per recovery block, the fitting blocks packed (default: the source's context, at most 512)"
+        None,
+        "tokens per recovery block, the fitting blocks packed (default: the source's context, at most 512)",
+        bounds="[2, inf)",
     )
     # 32 (8,192 tokens): SmolLM2 converted with the defaults ended at +7.83% against +8.48% with 64, in 14.9 minutes
     # against 17.8 (the layer-wise fit's passes over every block halve; docs/results.md).
     calibration_blocks: int = option(
-        32, "blocks of fitting text used to calibrate and to fit layer by layer", flags=("--calib-blocks",)
+        32,
+        "blocks of fitting text used to calibrate and to fit layer by layer",
+        flags=("--calib-blocks",),
+        bounds="[1, inf)",
     )
-    sampled_blocks: int = option(64, "blocks sampled from the source: the fitting text when no text is given")
+    sampled_blocks: int = option(
+        64, "blocks sampled from the source: the fitting text when no text is given", bounds="[1, inf)"
+    )
     sample_temperatures: tuple[float, ...] = option(
-        (0.7, 0.85, 1.0), "temperatures the source's samples cycle through, batch by batch"
+        (0.7, 0.85, 1.0), "temperatures the source's samples cycle through, batch by batch", bounds="(0, inf)"
     )
     # Half: kept on the choosing half of the general English excerpt and the source's samples (docs/results.md).
     source_sample_share: float = option(
         0.5,
         "with --train-text, the share of the first fitting blocks (calibration, layer-wise fit, recovery) that are "
         "--sampled-blocks of the source's own text, interleaved with the user's (0: the user's text alone)",
+        bounds="[0, 1)",
     )
     replay_samples: bool = option(
         False,
@@ -130,15 +156,20 @@ class TextSettings:
         "batches are drawn), not only among the first blocks: nearer the source beyond the text, further on it",
     )
     held_aside_samples: int = option(
-        24, "samples of the source held aside from every stage: the report's perplexity and KL to the source on them"
+        24,
+        "samples of the source held aside from every stage: the report's perplexity and KL to the source on them",
+        bounds="[0, inf)",
     )
     extra_eval_text: tuple[Path, ...] = option(
         (WIKIPEDIA_HELD_OUT,),
         "more held-out texts, each scored whole and named in the report (default: the embedded general English "
         "excerpt, Wikipedia; give the flag with no file for none)",
+        input_file=True,
     )
-    eval_blocks: int = option(64, "held-out blocks scored during fine-tuning")
-    eval_documents: int = option(100, "held-out documents scored whole (up to the source's context) for the report")
+    eval_blocks: int = option(64, "held-out blocks scored during fine-tuning", bounds="[1, inf)")
+    eval_documents: int = option(
+        100, "held-out documents scored whole (up to the source's context) for the report", bounds="[1, inf)"
+    )
     # bf16 scores SmolLM2's 100 documents in 0.58x the time, its perplexity 0.05% off float32's (docs/results.md).
     scoring_mixed_precision: str = option(
         "auto",
@@ -149,13 +180,8 @@ class TextSettings:
     seed: int = option(0, "of sampling, the gate tables, training")
 
     def __post_init__(self) -> None:
-        check_choices(self)
         self.sample_temperatures, self.extra_eval_text = tuple(self.sample_temperatures), tuple(self.extra_eval_text)
-        Sampling(tokens=0, temperatures=self.sample_temperatures)  # refuses temperatures that are not positive
-        if not 0 <= self.source_sample_share < 1:
-            raise ValueError(f"source_sample_share must lie in [0, 1), got {self.source_sample_share}.")
-        if self.held_aside_samples < 0:
-            raise ValueError(f"held_aside_samples must be >= 0, got {self.held_aside_samples}.")
+        check_fields(self)
 
 
 MAX_RECOVERY_BLOCK = FITTED_CONTEXT  # the default recovery length: longer blocks cost more than their tokens on a CPU
@@ -251,7 +277,8 @@ def fitting_blocks(teacher, tokenizer, settings: TextSettings) -> FittingText:
             fit, None, None, f"{len(fit)} x {size} tokens sampled from the source at {temperatures} (data-free)"
         )
     documents, held_out, eval_source = fitting_and_held_out(settings)
-    fit, source = token_blocks(tokenizer, documents, settings.block_size), public_name(settings.train_text)
+    fit = token_blocks(tokenizer, documents, settings.block_size, source=f"--train-text {settings.train_text}")
+    source = public_name(settings.train_text)
     if settings.source_sample_share == 0:
         return FittingText(fit, None, (held_out, eval_source), source)
     sampled = sample_blocks(teacher, tokenizer, settings.sampled_blocks, settings.block_size, sampling(settings))
@@ -299,7 +326,8 @@ def prepare_text(teacher, tokenizer, settings: TextSettings) -> TextData:
         held_out_documents, eval_source = read_documents(eval_path), public_name(eval_path)
     else:
         held_out_documents, eval_source = fitting.held_out
-    held_out = token_blocks(tokenizer, held_out_documents, settings.block_size)[: settings.eval_blocks]
+    named = f"The held-out text ({eval_source})"
+    held_out = token_blocks(tokenizer, held_out_documents, settings.block_size, source=named)[: settings.eval_blocks]
     documents = document_ids(tokenizer, held_out_documents[: settings.eval_documents], context)
     extra = extra_documents(tokenizer, settings, context)
     length = recovery_length(settings, context)
@@ -429,8 +457,10 @@ class ConversionJob:
     placement: Placement = Placement()  # the source's and the student's device and dtype (the output's dtype)
 
     def __post_init__(self) -> None:
-        if self.time_limit is not None and not self.time_limit > 0:  # NaN too
-            raise ValueError(f"time_limit must be positive minutes (or None: no limit), got {self.time_limit}.")
+        if self.time_limit is not None:
+            check_bounds("time_limit (--time-limit)", self.time_limit, "(0, inf)")
+        if isinstance(self.source, (str, Path)):
+            source_config(self.source)  # a source that does not resolve, or that EG-MLA cannot convert
 
 
 # Set aside after the recovery: scoring the saved model (1.24-1.30x the source's time in SmolLM2's runs), and 45 s
@@ -518,7 +548,9 @@ def run_conversion(job: ConversionJob) -> dict:
     metadata = source_metadata(job.source, job.base_model, job.license)  # the card's, read before too
     started, times = time.time(), StageTimes()
     with times.stage("load"):
-        teacher, tokenizer = load_llama(job.source, job.placement), load_tokenizer(job.source)
+        tokenizer = load_tokenizer(job.source)
+        check_tokenizer(tokenizer, source_config(job.source), job.source)  # before the weights load
+        teacher = load_llama(job.source, job.placement)
         text = prepare_text(teacher, tokenizer, job.text)
     shortage = memory_warning(teacher, job.finetune)  # said before the long stages, not when memory runs out
     if shortage:
@@ -647,6 +679,30 @@ class FinetuneJob:
     license: str | None = None  # the card's licence; None: the student's card's, else the teacher's
     placement: Placement = Placement()
 
+    def __post_init__(self) -> None:
+        student = read_config(self.student, "student")
+        if student.model_type != "egmla":
+            raise ValueError(
+                f"The student {self.student} is a {student.model_type!r} checkpoint: give a folder that "
+                "`egmla convert` wrote."
+            )
+        check_teacher(student, source_config(self.teacher), self.teacher)
+        resume_checkpoint(self.settings)  # --resume with nothing to resume from
+
+
+SHARED_SHAPE = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size")
+
+
+def check_teacher(student, teacher, name: str | Path) -> None:
+    """The teacher must be the student's source: a conversion keeps its embeddings, widths and MLPs."""
+    for field_name in SHARED_SHAPE:
+        theirs, ours = getattr(teacher, field_name), getattr(student, field_name)
+        if theirs != ours:
+            raise ValueError(
+                f"--teacher {name} is not the student's source: its {field_name} is {theirs}, the student's "
+                f"{ours}. Give the checkpoint the student was converted from."
+            )
+
 
 def run_finetune(job: FinetuneJob) -> dict:
     """Fine-tunes a converted folder against its source and saves the result atomically."""
@@ -655,8 +711,11 @@ def run_finetune(job: FinetuneJob) -> dict:
     teacher_metadata = source_metadata(job.teacher)
     student_metadata = source_metadata(job.student)  # a converted folder's card names its source
     device, dtype = job.placement.torch_device(), job.placement.torch_dtype
+    tokenizer = load_tokenizer(job.teacher)
+    check_tokenizer(tokenizer, read_config(job.student, "student"), job.teacher)
     student = AutoModelForCausalLM.from_pretrained(job.student, dtype=dtype, device_map=device)
-    teacher, tokenizer = load_llama(job.teacher, job.placement), load_tokenizer(job.teacher)
+    check_finite(student, "The student's")
+    teacher = load_llama(job.teacher, job.placement)
     text = prepare_text(teacher, tokenizer, job.text)
     scores = score_documents({"before": student}, text, teacher)
     stages = StageSelection(text.selection, text.bf16_scoring)
@@ -687,7 +746,7 @@ def run_finetune(job: FinetuneJob) -> dict:
         with atomic_folder(job.out, job.overwrite, inputs) as staging:
             result.model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
-            (staging / "finetune_report.json").write_text(json.dumps(summary, indent=2) + "\n")
+            (staging / "finetune_report.json").write_text(report_json(summary))
             write_finetune_card(staging, summary)
         kept = "" if stages.saved_stage == "after" else " (not kept: it raised the loss on the blocks held aside)"
         print(
@@ -706,12 +765,19 @@ def run_ppl(
     placement: Placement | None = None,
 ) -> float:
     """Perplexity of a model folder (Llama or EG-MLA) or `.gguf` file over the token blocks of a text."""
+    check_text_file("--eval-text", Path(eval_text))
+    check_bounds("block_size (--block-size)", block_size, "[2, inf)")
+    if max_blocks is not None:
+        check_bounds("max_blocks (--max-blocks)", max_blocks, "[1, inf)")
+    tokenizer = load_tokenizer(model_path)
+    check_tokenizer(tokenizer, read_config(model_path, "model"), model_path)
     folder, gguf_file = split_gguf(model_path)
     placement = placement or Placement()
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=gguf_file, dtype=placement.torch_dtype, device_map=placement.torch_device()
     )
-    blocks = token_blocks(load_tokenizer(model_path), read_documents(eval_text), block_size)
+    check_finite(model, "The model's")
+    blocks = token_blocks(tokenizer, read_documents(eval_text), block_size, source=str(eval_text))
     blocks = blocks[:max_blocks] if max_blocks else blocks
     value = perplexity(model, blocks, progress=True)
     print(f"perplexity {value:.4f} ({math.log(value):.4f} nats/token) over {blocks.numel():,} tokens")

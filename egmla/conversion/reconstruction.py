@@ -11,14 +11,14 @@ closed-form weights.
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
-from ..options import check_choices, option
+from ..options import check_fields, option
 from ..training import MIXED_PRECISIONS, fitting_autocast
 from .calibration import source_layers
 
@@ -32,11 +32,15 @@ class ReconstructionSettings:
 
     # One packed block a step. 150 steps, with 4 minutes of recovery, convert SmolLM2 with text in 9.1 minutes at
     # +9.3% held-out; 250 steps and 5 minutes took 11.6 minutes for +8.1% (docs/results.md).
-    steps: int = option(150, "Adam steps per layer of the layer-wise fit (0: no layer-wise fit)")
+    flag_prefix: ClassVar[str] = "reconstruction_"  # its flags: --reconstruction-steps, ...
+
+    steps: int = option(150, "Adam steps per layer of the layer-wise fit (0: no layer-wise fit)", bounds="[0, inf)")
     batch_size: int = option(
-        2, "calibration blocks per step of the layer-wise fit (before packing them to the recovery length)"
+        2,
+        "calibration blocks per step of the layer-wise fit (before packing them to the recovery length)",
+        bounds="[1, inf)",
     )
-    learning_rate: float = option(1e-3, "learning rate of the layer-wise fit")
+    learning_rate: float = option(1e-3, "learning rate of the layer-wise fit", bounds="(0, inf)")
     fit_gate: bool = True  # fit the gate tables and W^{UE} too (False: the gate stays exactly the identity)
     gate_init: str = option(
         "least_squares",
@@ -46,7 +50,7 @@ class ReconstructionSettings:
     )
     # 4-64 pseudo-positions gave results within 0.2%.
     gate_shrinkage: float = option(
-        16.0, "pseudo-positions pulling a rare token's gate toward 1", flags=("--gate-shrinkage",)
+        16.0, "pseudo-positions pulling a rare token's gate toward 1", flags=("--gate-shrinkage",), bounds="[0, inf)"
     )
     mixed_precision: str = option(
         "auto", "the layer-wise fit's forward passes under bfloat16 autocast (see --mixed-precision)", MIXED_PRECISIONS
@@ -54,16 +58,7 @@ class ReconstructionSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check_choices(self)
-        if self.gate_shrinkage < 0:
-            raise ValueError(f"gate_shrinkage must be >= 0, got {self.gate_shrinkage}.")
-        if self.steps < 0:
-            raise ValueError(f"reconstruction steps must be >= 0 (0 turns it off), got {self.steps}.")
-        if self.batch_size <= 0 or self.learning_rate <= 0:
-            raise ValueError(
-                f"reconstruction batch_size and learning_rate must be positive, got {self.batch_size}, "
-                f"{self.learning_rate}."
-            )
+        check_fields(self)
 
 
 class LayerStreams(NamedTuple):

@@ -1,9 +1,9 @@
 """What a conversion report says: KV values per token measured on real caches, perplexities, a model card."""
 
-import json
 from pathlib import Path
 
 from ..hub import SourceMetadata, perplexity_result, save_card
+from ..outputs import finite, report_json
 
 
 def format_table(rows: list[tuple[str, str]]) -> str:
@@ -226,7 +226,8 @@ def measurement_words(report: dict) -> str:
 def write_model_card(folder: Path, report: dict) -> None:
     """README.md (a Hub model card made by huggingface_hub, its metadata from `report["card"]`) and
     conversion_report.json in the output folder."""
-    (folder / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    report = finite(report)
+    (folder / "conversion_report.json").write_text(report_json(report))
     card = report.get("card", {})
     settings = "\n".join(
         f"| `{key}` | `{value}` |" for part in ("options", "budget") for key, value in report[part].items()
@@ -273,6 +274,7 @@ The conversion options, then the budget they resolve to for this source (values 
 
 def write_finetune_card(folder: Path, summary: dict) -> None:
     """README.md of an `egmla finetune` folder (a Hub model card made by huggingface_hub)."""
+    summary = finite(summary)
     card = summary.get("card", {})
     scores = summary.get("perplexity", {})
     source = card.get("base_model") or summary["teacher"]

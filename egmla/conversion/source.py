@@ -12,6 +12,7 @@ from transformers import (
     AutoTokenizer,
     LlamaForCausalLM,
     MistralForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2ForCausalLM,
@@ -84,14 +85,51 @@ def load_llama(source: str | Path | PreTrainedModel, placement: Placement | None
     return model.to(device=device, dtype=dtype).eval()
 
 
-def check_finite(model: PreTrainedModel) -> None:
-    """NaN or inf in the source would silently spread through every factorization: refuse them by name."""
+def check_finite(model: PreTrainedModel, whose: str = "The source's") -> None:
+    """NaN or inf in a checkpoint would silently spread through every factorization, fit and score: refuse them by
+    name."""
     for name, parameter in model.named_parameters():
         if not torch.isfinite(parameter).all():
             raise ValueError(
-                f"The source's weight {name} holds NaN or inf values: the checkpoint is damaged (re-download or "
-                "re-export it); nothing was converted."
+                f"{whose} weight {name} holds NaN or inf values: the checkpoint is damaged (re-download or "
+                "re-export it); nothing was done."
             )
+
+
+def read_config(source: str | Path, role: str = "source") -> PretrainedConfig:
+    """A checkpoint's config, read before its weights or any text: a clear error for a path that does not exist, a
+    folder without config.json, or an id that is neither a local path nor a Hub model reachable from here."""
+    folder, gguf_file = split_gguf(source)
+    if Path(folder).is_dir() and gguf_file is None and not (Path(folder) / "config.json").is_file():
+        raise ValueError(
+            f"The {role} {source} has no config.json: give a checkpoint folder as save_pretrained writes it."
+        )
+    try:
+        return AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    except (OSError, ValueError) as error:  # no such path or Hub id, offline, not a config
+        where = "is not a local folder or file, nor" if not Path(folder).exists() else "could not be read as"
+        raise ValueError(
+            f"The {role} {source} {where} a Hub model reachable from here ({str(error).splitlines()[0]}): give a "
+            "local checkpoint folder, a .gguf file or a Hub id."
+        ) from error
+
+
+def source_config(source: str | Path) -> PretrainedConfig:
+    """The config of a conversion's source, refused by name unless it is a family and shape EG-MLA converts."""
+    config = read_config(source)
+    check_family(config.model_type, source)
+    check_supported(config)
+    return config
+
+
+def check_tokenizer(tokenizer: PreTrainedTokenizerBase, config, source: str | Path) -> None:
+    """A tokenizer whose ids reach past the model's embedding rows would index outside it: refuse it by name."""
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(
+            f"The tokenizer of {source} has {len(tokenizer):,} tokens, more than the model's vocab_size "
+            f"{config.vocab_size:,}: its ids past {config.vocab_size - 1} have no embedding. Give the tokenizer "
+            "that came with the model."
+        )
 
 
 def check_family(model_type: str, source: str | Path) -> None:
@@ -107,8 +145,7 @@ def check_family(model_type: str, source: str | Path) -> None:
 
 def load_llama_checkpoint(source: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     folder, gguf_file = split_gguf(source)
-    config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
-    check_family(config.model_type, source)
+    config = source_config(source)
     model_class = SOURCE_CLASSES[config.model_type]
     try:  # straight onto the device, in the dtype: no float32 copy on the host first
         model = model_class.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype, device_map=device)

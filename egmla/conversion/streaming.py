@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers import AutoConfig, GenerationConfig
+from transformers import GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
 
 from ..hub import public_name, source_metadata
@@ -55,7 +55,7 @@ from .reconstruction import (
     next_student_stream,
 )
 from .report import print_report, write_model_card
-from .source import check_family, check_supported, load_tokenizer
+from .source import check_tokenizer, load_tokenizer, source_config
 from .stream_scoring import DocumentStreams, advance_documents, document_scores, document_streams
 from .stream_search import load_statistics, streamed_split_search
 from .timing import StageTimes
@@ -82,7 +82,8 @@ def calibration_blocks(job, tokenizer) -> torch.Tensor:
     if job.text.train_text is None:
         raise ValueError("--stream calibrates on text: give --train-text FILE (sampling text needs the whole model).")
     documents, _ = split_train_text(job.text)
-    return token_blocks(tokenizer, documents, job.text.block_size)[: job.text.calibration_blocks]
+    blocks = token_blocks(tokenizer, documents, job.text.block_size, source=f"--train-text {job.text.train_text}")
+    return blocks[: job.text.calibration_blocks]
 
 
 @dataclasses.dataclass
@@ -201,11 +202,10 @@ def run_streaming_conversion(job) -> dict:
         raise ValueError(f"--stream reads a local folder of safetensors files; {job.source} is not one.")
     check_output_folder(job.out, job.overwrite, (str(folder),))
     started, times = time.time(), StageTimes()
-    config = AutoConfig.from_pretrained(folder)
-    check_family(config.model_type, job.source)
-    check_supported(config)
+    config = source_config(folder)
     check_streamable(job.options)
     files, shell, tokenizer = SourceFiles(folder), source_shell(config), load_tokenizer(str(folder))
+    check_tokenizer(tokenizer, config, folder)
     blocks = calibration_blocks(job, tokenizer)  # refuses a job without text by name
     documents, eval_source, extra = held_out_documents(job, tokenizer, config.max_position_embeddings)
     text = StreamedText(blocks, documents, extra)

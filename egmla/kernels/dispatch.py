@@ -9,7 +9,8 @@ the expanded heads. The implementation's name chooses the backend:
   read once at import, overrides the choice;
 - `egmla_fused_triton`, `egmla_fused_compiled`: that backend, or a clear error where it cannot run.
 
-When compiling fails, or a Triton step would need autograd, the step goes back to the reference path.
+When compiling fails under `egmla_fused`'s automatic choice, or a Triton step would need autograd, the step goes
+back to the reference path (and says so once); a compiled backend asked for by name raises the compile error.
 """
 
 import importlib.util
@@ -162,15 +163,18 @@ def run_step(module: torch.nn.Module, call, mask: torch.Tensor, backend: str) ->
     return torch.einsum("bhsr,hvr->bshv", out_latent, w_uv)
 
 
-def fused_decode(module: torch.nn.Module, call, attention_mask: torch.Tensor | None, backend: str):
-    """The step's output [B, S, H, dv], or None to leave it to the model's reference path."""
+def fused_decode(
+    module: torch.nn.Module, call, attention_mask: torch.Tensor | None, backend: str, by_name: bool = True
+):
+    """The step's output [B, S, H, dv], or None to leave it to the model's reference path. `by_name`: the backend
+    was asked for (an implementation's name or EGMLA_KERNEL), so its failure is an error, not a fallback."""
     if call.version not in SUPPORTED_DECODE_VERSIONS:
         log_once(
             f"egmla_fused: the model's decode contract is version {call.version}, these kernels know "
             f"{SUPPORTED_DECODE_VERSIONS}, so decoding uses the reference path (update egmla or the model's code)."
         )
         return None
-    if backend == "reference" or (backend == "compiled" and _compile_failed):
+    if backend == "reference" or (backend == "compiled" and _compile_failed and not by_name):
         return None
     if backend == "triton" and torch.is_grad_enabled() and (call.q_nope.requires_grad or call.latent.requires_grad):
         log_once(
@@ -184,6 +188,8 @@ def fused_decode(module: torch.nn.Module, call, attention_mask: torch.Tensor | N
     except Exception as error:  # noqa: BLE001 - any compiler failure falls back to the reference
         if backend != "compiled":
             raise
+        if by_name:
+            raise RuntimeError(f"egmla_fused_compiled: torch.compile of the decode step failed: {error!r}") from error
         _compile_failed.append(repr(error))
         log_once(f"egmla_fused: torch.compile failed ({error!r:.200}), so decoding uses the reference path.")
         return None
@@ -197,6 +203,7 @@ def attention_function(requested: str):
         if latent_decode is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         backend = choose_backend(requested, latent_decode.latent.device)
-        return fused_decode(module, latent_decode, attention_mask, backend), None
+        by_name = requested != "auto" or bool(KERNEL_OVERRIDE)
+        return fused_decode(module, latent_decode, attention_mask, backend, by_name), None
 
     return egmla_fused_attention
