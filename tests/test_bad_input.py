@@ -346,3 +346,32 @@ def test_an_unreadable_source_card_is_said_unless_the_licence_is_given(tmp_path,
     monkeypatch.setattr(hub.ModelCard, "load", offline)
     with pytest.warns(UserWarning, match="Could not read the model card of someone/model .offline."):
         assert hub.source_metadata("someone/model").base_model == "someone/model"
+
+
+def test_float16_converts_in_closed_form_and_refuses_to_train_without_loss_scaling(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    source, text = llama_folder(tmp_path / "src"), calibration_text(tmp_path)
+    with pytest.raises(SystemExit, match="--dtype float16 would train .* without loss scaling"):
+        main(["convert", str(source), "--out", str(tmp_path / "o"), *FAST, "--dtype", "float16", "--train-text", text])
+    closed_form = [*FAST, "--steps", "0", "--eval-documents", "2"]
+    for dtype in ("float16", "float32"):
+        main(["convert", str(source), "--out", str(tmp_path / dtype), *closed_form, "--dtype", dtype])
+    half, full = (AutoModelForCausalLM.from_pretrained(tmp_path / dtype) for dtype in ("float16", "float32"))
+    assert half.dtype == torch.float16 and full.dtype == torch.float32
+    ids = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(half.float()(ids).logits, full(ids).logits, atol=2e-2, rtol=2e-2)
+
+
+def test_a_score_that_is_not_a_number_is_left_out_and_reports_are_strict_json():
+    import json
+
+    from egmla.outputs import report_json
+
+    def refuse(constant: str):
+        raise AssertionError(f"{constant} in a report")
+
+    report = {"perplexity": {"source": 10.0, "fine-tuned": float("nan")}, "history": [1.5, float("inf")], "steps": 3}
+    parsed = json.loads(report_json(report), parse_constant=refuse)
+    assert parsed == {"perplexity": {"source": 10.0}, "history": [1.5, None], "steps": 3}

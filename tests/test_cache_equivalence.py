@@ -168,6 +168,19 @@ def test_assisted_decoding_with_itself(mode):
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
+def test_prompt_lookup_decoding_gives_the_greedy_tokens(mode):
+    """Prompt lookup drafts from n-grams of the prompt; a repeating prompt makes its drafts accepted and rejected,
+    so the cache is cropped and continued."""
+    model = tiny_model(**MODES[mode])
+    prompt = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(7)).repeat(1, 3)
+    options = {"input_ids": prompt, "max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
+    with torch.no_grad():
+        plain = model.generate(**options)
+        looked_up = model.generate(**options, prompt_lookup_num_tokens=3)
+    assert torch.equal(plain, looked_up)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_cache_holds_exactly_the_latent_rope_key_ids_and_positions(mode):
     model = tiny_model(**MODES[mode], num_hidden_layers=3, kv_lora_rank=[16, 8, 12])
     config = model.config
@@ -436,7 +449,7 @@ def test_an_unpadded_prompt_into_a_static_cache_gives_the_uncached_logits(mode, 
 
 def test_gradients_flow_through_cached_decode_steps():
     """Training through a cache (prefill, then steps): the chunked storage is written in place, so under autograd
-    the cache concatenates instead."""
+    the cache concatenates instead; every parameter's gradient equals the uncached forward's."""
     for mode in ("mla-absorbed", "gate-kv"):
         model = tiny_model(**MODES[mode])
         cache = EGMLACache(model.config)
@@ -445,7 +458,12 @@ def test_gradients_flow_through_cached_decode_steps():
         for step in (4, 5):
             logits.append(model(input_ids[:, step : step + 1], cache=cache).logits[:, -1])
         torch.stack(logits).sum().backward()
-        assert all(p.grad is not None for p in model.model.layers[0].self_attn.kv_b_proj.parameters()), mode
+        cached = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        model(input_ids).logits[:, 3:6].sum().backward()  # the same three positions, no cache
+        assert cached["model.layers.0.self_attn.kv_b_proj.weight"].abs().sum() > 0, mode
+        for name, parameter in model.named_parameters():
+            torch.testing.assert_close(cached[name], parameter.grad, rtol=1e-4, atol=1e-5, msg=f"{mode}: {name}")
 
 
 def test_static_cache_holds_the_arithmetic_for_its_preallocated_length():

@@ -403,14 +403,14 @@ def test_cli_flags_are_the_field_names_and_the_old_spellings_still_parse():
 def test_convert_recovers_on_the_calibration_text_by_default_and_not_without_text(monkeypatch):
     import egmla.cli as cli
     from egmla.conversion.pipeline import CONVERT_DEFAULTS
-
     from egmla.data import EXCERPT
 
     jobs, source, text = [], str(STORIES260K), str(EXCERPT)
     monkeypatch.setattr(cli, "run_conversion", jobs.append)
     main(["convert", source, "--out", "OUT", "--kv-cut", "0.5", "--train-text", text])
     main(["convert", source, "--out", "OUT", "--kv-cut", "0.5", "--train-text", text, "--steps", "0"])
-    main(["convert", source, "--out", "OUT", "--kv-cut", "0.5"])  # data-free: the closed form and the layer-wise fit only
+    # data-free: the closed form and the layer-wise fit only
+    main(["convert", source, "--out", "OUT", "--kv-cut", "0.5"])
     recovery, off, data_free = (job.finetune for job in jobs)
     assert recovery.steps is None and recovery.max_minutes == CONVERT_DEFAULTS["max_minutes"]
     assert off is None and data_free is None

@@ -110,10 +110,11 @@ def test_a_killed_finetune_resumes_to_the_losses_of_an_uninterrupted_run(tmp_pat
     checkpoints = killed_dir / "checkpoints"
     # Killed mid-checkpoint (a new one being written beside the last), then twice more while resumed runs train.
     assert kill_when(command, lambda: (checkpoints / "last.saving").exists() and saved_step(checkpoints) >= 2)
-    assert not (killed_dir / "tuned").exists()
+    assert not (killed_dir / "tuned").exists() and 2 <= saved_step(checkpoints) < 16  # it landed mid-run
     for _ in range(2):
         reached = saved_step(checkpoints)
         assert kill_when([*command, "--resume"], lambda reached=reached: saved_step(checkpoints) >= reached + 3)
+        assert reached + 3 <= saved_step(checkpoints) < 16 and not (killed_dir / "tuned").exists()
     subprocess.run([*command, "--resume", "--overwrite"], env=ENV, check=True, capture_output=True)
     assert history(checkpoints) == pytest.approx(expected, rel=1e-4, abs=1e-6)
     assert (killed_dir / "tuned" / "model.safetensors").exists()

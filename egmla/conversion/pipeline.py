@@ -461,6 +461,8 @@ class ConversionJob:
             check_bounds("time_limit (--time-limit)", self.time_limit, "(0, inf)")
         if isinstance(self.source, (str, Path)):
             source_config(self.source)  # a source that does not resolve, or that EG-MLA cannot convert
+        trains = self.finetune is not None or self.reconstruction.steps > 0
+        check_trainable_dtype(self.placement, trains, "--reconstruction-steps 0 --steps 0 for a closed-form conversion")
 
 
 # Set aside after the recovery: scoring the saved model (1.24-1.30x the source's time in SmolLM2's runs), and 45 s
@@ -687,7 +689,17 @@ class FinetuneJob:
                 "`egmla convert` wrote."
             )
         check_teacher(student, source_config(self.teacher), self.teacher)
+        check_trainable_dtype(self.placement, True, "convert the student to bfloat16 first")
         resume_checkpoint(self.settings)  # --resume with nothing to resume from
+
+
+def check_trainable_dtype(placement: Placement, trains: bool, instead: str) -> None:
+    """float16 weights trained without a loss scaler lose their small gradients: only bf16 and fp32 train here."""
+    if trains and placement.dtype == "float16":
+        raise ValueError(
+            "--dtype float16 would train (the layer-wise fit, the recovery) without loss scaling, losing small "
+            f"gradients: use --dtype bfloat16 or float32, or {instead}."
+        )
 
 
 SHARED_SHAPE = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size")
