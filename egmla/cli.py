@@ -111,13 +111,14 @@ def retrofit_command(args: argparse.Namespace) -> None:
         options=conversion_options(args),
         text=from_args(TextSettings, args),
         reconstruction=reconstruction_settings(args),
-        finetune=from_args(FinetuneSettings, args) if args.steps != 0 else None,
+        finetune=from_args(FinetuneSettings, args, resume=False) if args.steps != 0 else None,
         overwrite=args.overwrite,
         sample_prompt=args.prompt,
         score_stages=args.score_stages,
         base_model=args.base_model,
         license=args.license,
         time_limit=args.time_limit,
+        resume=args.resume,
         placement=from_args(Placement, args),
     )
     run_conversion(job)
@@ -136,20 +137,21 @@ def convert_command(args: argparse.Namespace) -> None:
         options,
         text,
         reconstruction_settings(args),
-        finetune=from_args(FinetuneSettings, args) if recovers else None,
+        finetune=from_args(FinetuneSettings, args, resume=False) if recovers else None,
         overwrite=args.overwrite,
         score_stages=args.score_stages,
         base_model=args.base_model,
         license=args.license,
         time_limit=args.time_limit,
+        resume=args.resume,
         placement=from_args(Placement, args),
     )
     run_streaming_conversion(job) if args.stream else run_conversion(job)
 
 
-RECOVERY_FLAGS = tuple(field.name for field in dataclasses.fields(FinetuneSettings) if field.name != "seed")
-# What `--stream` does without (it fits layer by layer only).
-UNSTREAMED_FLAGS = ("score_stages", "time_limit", *RECOVERY_FLAGS)
+RECOVERY_FLAGS = tuple(field.name for field in dataclasses.fields(FinetuneSettings) if "help" in field.metadata)
+# What `--stream` does without (it fits layer by layer only, and does not resume yet).
+UNSTREAMED_FLAGS = ("score_stages", "time_limit", "resume", *RECOVERY_FLAGS)
 
 
 def refuse_given(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
@@ -273,6 +275,12 @@ def add_job_options(parser: argparse.ArgumentParser, time_limit_default: str) ->
         action="store_true",
         help="score every fitting stage (zero-shot, layer-wise, fine-tuned) on the held-out documents, not only the "
         "source and the saved model (each score is a pass over the documents: 2 minutes on SmolLM2 with 2 cores)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue a killed run of the same job from its last fitted layer or recovery checkpoint (kept in "
+        ".OUT.resume beside OUT until the output is saved)",
     )
 
 

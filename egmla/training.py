@@ -387,6 +387,7 @@ def finetune(
         raise ValueError("Distillation (distill_weight > 0) needs a teacher.")
     with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
         torch.manual_seed(settings.seed)
+        student.zero_grad(set_to_none=True)  # gradients a caller left would add to the first step's
         run = prepare_run(student, settings)
         return train_loop(run, teacher, train_blocks, settings, eval_blocks)
 

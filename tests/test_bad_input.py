@@ -241,6 +241,7 @@ REFUSED_BEFORE_WORK = [
         "--learning-rate, --lora would do nothing: convert recovers the model only on text",
     ),
     ("recovery flags with --steps 0", flags("--steps", "0", "--batch-size", "2"), "--batch-size would do nothing"),
+    ("--resume with no killed run", flags("--resume"), "there is no killed run of .*out to resume"),
     (
         "a tokenizer larger than the model's vocabulary",
         tokenizer_past_the_vocabulary,
@@ -375,3 +376,13 @@ def test_a_score_that_is_not_a_number_is_left_out_and_reports_are_strict_json():
     report = {"perplexity": {"source": 10.0, "fine-tuned": float("nan")}, "history": [1.5, float("inf")], "steps": 3}
     parsed = json.loads(report_json(report), parse_constant=refuse)
     assert parsed == {"perplexity": {"source": 10.0}, "history": [1.5, None], "steps": 3}
+
+
+def test_resume_refuses_the_work_of_another_job(tmp_path):
+    source, out = llama_folder(tmp_path / "src"), tmp_path / "out"
+    (tmp_path / ".out.resume").mkdir()
+    (tmp_path / ".out.resume" / "job.json").write_text('{"source": "another"}')
+    command = ["convert", str(source), "--out", str(out), *FAST, "--train-text", calibration_text(tmp_path)]
+    with pytest.raises(SystemExit, match=r"--resume: the killed run in .*\.out\.resume was another job \(its .*source"):
+        main([*command, "--resume"])
+    assert not out.exists() and (tmp_path / ".out.resume" / "job.json").exists()  # its work is left as it was

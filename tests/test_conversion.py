@@ -326,7 +326,8 @@ def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_so
         "0",
     ]
 
-    # A failure half-way through writing leaves neither the output nor a staging folder behind.
+    # A failure half-way through writing leaves neither the output nor a staging folder behind: only the work that
+    # `--resume` continues from (the fitted layers).
     import egmla.conversion.pipeline as pipeline
 
     def broken_card(folder, report):
@@ -335,11 +336,12 @@ def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_so
     monkeypatch.setattr(pipeline, "write_model_card", broken_card)
     with pytest.raises(RuntimeError, match="disk full"):
         main(args)
-    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == [".out.resume"]
     monkeypatch.undo()
 
     capsys.readouterr()
-    main(args)
+    main([*args, "--resume"])
+    assert not (tmp_path / ".out.resume").exists()
     # A rebuilding form asked for by name is told its decode cost in one line.
     assert "the gate on K/V (gate_position='kv') rebuilds every cached key" in capsys.readouterr().out
     report = json.loads((out / "conversion_report.json").read_text())

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from egmla.outputs import STAGING_MARK, check_output_folder
@@ -147,3 +148,38 @@ def test_a_run_killed_between_the_two_renames_gets_the_old_output_back(tmp_path)
     assert (out / "content.txt").read_text() == "replaced" and not (out / STAGING_MARK).exists()
     assert not folders["staging"][0].exists() and not folders["replaced"][0].exists()
     assert folders["users"][0].exists() and folders["other host"][0].exists()
+
+
+def layers_fitted(work: Path) -> int:
+    return len(list((work / "layers").glob("layer-*.safetensors")))
+
+
+def test_a_killed_conversion_resumes_to_the_result_of_an_uninterrupted_run(tmp_path):
+    """Killed in the layer-wise fit, in the recovery, and after the recovery's last step (each kill confirmed to
+    have landed there), `--resume` continues from the last fitted layer or checkpoint: the saved model equals an
+    uninterrupted run's."""
+    source = llama_folder(tmp_path / "src", num_hidden_layers=4)
+    text = tmp_path / "text.txt"
+    text.write_text("\n<|endoftext|>\n".join(f"Story {i}: the cat sat on the mat and ran far away." for i in range(80)))
+    flags = ["--kv-lora-rank", "16", "--rope-split", "exact", "--calibration-blocks", "8", "--block-size", "32",
+             "--reconstruction-steps", "300", "--train-text", str(text), "--source-sample-share", "0",
+             "--held-aside-samples", "0", "--eval-documents", "2", "--extra-eval-text", "--steps", "12",
+             "--batch-size", "2", "--save-every", "1", "--eval-every", "0"]  # fmt: skip
+    straight = tmp_path / "straight"
+    subprocess.run([*EGMLA, "convert", str(source), "--out", str(straight), *flags], env=ENV, check=True)
+    out, work = tmp_path / "out", tmp_path / ".out.resume"
+    command = [*EGMLA, "convert", str(source), "--out", str(out), *flags]
+    recovery = work / "recovery"
+
+    assert kill_when(command, lambda: layers_fitted(work) >= 1)
+    assert 1 <= layers_fitted(work) < 4 and not recovery.exists()  # mid-way through the layer-wise fit
+    assert kill_when([*command, "--resume"], lambda: saved_step(recovery) >= 2)
+    assert layers_fitted(work) == 4 and 2 <= saved_step(recovery) < 12  # mid-way through the recovery
+    assert kill_when([*command, "--resume"], lambda: saved_step(recovery) == 12)
+    assert not out.exists()  # after the recovery's last step, before the output was saved
+    subprocess.run([*command, "--resume"], env=ENV, check=True)
+    assert not work.exists()
+    expected, resumed = load_file(straight / "model.safetensors"), load_file(out / "model.safetensors")
+    assert expected.keys() == resumed.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

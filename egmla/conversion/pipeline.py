@@ -1,7 +1,9 @@
 """The jobs behind `egmla retrofit` (the main job), `egmla convert`, `egmla finetune` and `egmla ppl`."""
 
 import dataclasses
+import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +37,7 @@ from ..training import (
     FinetuneSettings,
     bf16_autocast,
     finetune,
+    latest_checkpoint,
     resume_checkpoint,
     settings_summary,
     uses_bf16,
@@ -45,7 +48,7 @@ from .decode_cost import cost_row, egmla_cost, measure_decode, rebuild_warning, 
 from .gate import fit_gate
 from .memory import memory_warning
 from .plan import plan_conversion
-from .reconstruction import ReconstructionSettings, reconstruct_layers
+from .reconstruction import FittedLayers, ReconstructionSettings, reconstruct_layers
 from .report import print_report, write_finetune_card, write_model_card
 from .source import (
     check_finite,
@@ -455,8 +458,18 @@ class ConversionJob:
     license: str | None = None  # the card's licence; None: the source's card, config or GGUF metadata, if any
     time_limit: float | None = None  # minutes for the whole job: the recovery gets what the other stages leave
     placement: Placement = Placement()  # the source's and the student's device and dtype (the output's dtype)
+    resume: bool = False  # continue a killed run of the same job from its work folder
+
+    @property
+    def work(self) -> Path:
+        return work_folder(self.out)
 
     def __post_init__(self) -> None:
+        if self.resume and not (self.work / JOB_FILE).is_file():
+            raise ValueError(
+                f"--resume: there is no killed run of {self.out} to resume ({self.work} does not exist); leave "
+                "--resume out to start from the beginning."
+            )
         if self.time_limit is not None:
             check_bounds("time_limit (--time-limit)", self.time_limit, "(0, inf)")
         if isinstance(self.source, (str, Path)):
@@ -522,9 +535,8 @@ def fit_stages(
     stages = StageSelection(text.selection, text.bf16_scoring)
     stages.consider("zero-shot", student)
     with times.stage("layer-wise fit"):
-        layers = reconstruct_layers(
-            student, teacher, *layer_wise_inputs(calibration, text.recovery.shape[1], job.reconstruction)
-        )
+        inputs = layer_wise_inputs(calibration, text.recovery.shape[1], job.reconstruction)
+        layers = reconstruct_layers(student, teacher, *inputs, fitted=FittedLayers(job.work / "layers"))
     if layers:
         if job.score_stages:
             add_scores(scores, score_documents({"layer-wise": student}, text, teacher))
@@ -535,6 +547,9 @@ def fit_stages(
     if settings is None:  # no recovery asked for, or none left within the time limit (then the report says so)
         skipped = None if job.finetune is None else {"skipped": "time limit", "time_limit": job.time_limit}
         return Fitting(student, stages, layers, skipped)
+    checkpoints = job.work / "recovery"  # a killed run's recovery resumes from its last checkpoint
+    resumes = latest_checkpoint(checkpoints / "last") is not None
+    settings = dataclasses.replace(settings, checkpoint_dir=checkpoints, resume=resumes)
     with times.stage("recovery"):
         result = finetune(student, teacher, text.recovery, settings, text.held_out)
     if job.score_stages:
@@ -570,6 +585,8 @@ def run_conversion(job: ConversionJob) -> dict:
     with times.stage("scoring"):
         scores = score_documents({"source": teacher}, text, teacher)
     deadline = recovery_deadline(job, started, scoring_seconds=times.seconds["scoring"])
+    if job.finetune is not None or job.reconstruction.steps > 0:
+        start_work(job)  # the fitting stages write what a killed run resumes from
     fitting = fit_stages(student, teacher, job, text, calibration, scores, deadline, times)
     student, stages, layers, finetune_summary = fitting.student, fitting.stages, fitting.layers, fitting.finetune
     if stages.saved_stage not in scores["perplexity"]:  # the saved model is always scored
@@ -612,6 +629,7 @@ def run_conversion(job: ConversionJob) -> dict:
         student.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         write_model_card(staging, report)
+    shutil.rmtree(job.work, ignore_errors=True)  # saved: nothing left to resume
     print_report(report)
     print(f"\nsaved {job.out} ({report['seconds']} s)")
     return report
@@ -691,6 +709,45 @@ class FinetuneJob:
         check_teacher(student, source_config(self.teacher), self.teacher)
         check_trainable_dtype(self.placement, True, "convert the student to bfloat16 first")
         resume_checkpoint(self.settings)  # --resume with nothing to resume from
+
+
+JOB_FILE = "job.json"
+
+
+def work_folder(out: str | Path) -> Path:
+    """Where a conversion keeps what a killed run resumes from (fitted layers, recovery checkpoints): beside OUT."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.resume")
+
+
+def job_description(job: "ConversionJob") -> dict:
+    """What makes two runs the same job: a resumed run must not mix its work with another job's."""
+    fields = ("source", "options", "text", "reconstruction", "finetune", "placement")
+    return json.loads(json.dumps({name: getattr(job, name) for name in fields}, default=describe))
+
+
+def describe(value):
+    return asdict(value) if dataclasses.is_dataclass(value) else str(value)
+
+
+def start_work(job: "ConversionJob") -> Path:
+    """The job's work folder: kept as it is to resume it (when it is this job's), else started empty."""
+    work, described = job.work, job_description(job)
+    if job.resume:
+        saved = json.loads((work / JOB_FILE).read_text())
+        changed = sorted(name for name in described if saved.get(name) != described[name])
+        if changed:
+            raise ValueError(
+                f"--resume: the killed run in {work} was another job (its {', '.join(changed)} differ); give the "
+                "same source and options, or leave --resume out to start again."
+            )
+        return work
+    if work.exists():
+        print(f"starting again: the work of a killed run in {work} is discarded (--resume would continue it)")
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    (work / JOB_FILE).write_text(json.dumps(described, indent=2))
+    return work
 
 
 def check_trainable_dtype(placement: Placement, trains: bool, instead: str) -> None:

@@ -9,11 +9,16 @@ closed-form weights.
 """
 
 import contextlib
+import json
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, NamedTuple
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
@@ -144,6 +149,42 @@ def layer_autocast(block: StudentBlock, settings: ReconstructionSettings, device
     return fitting_autocast(settings.mixed_precision, device, block.layer.self_attn.config.hidden_size)
 
 
+@dataclass(frozen=True)
+class FittedLayers:
+    """Each fitted layer's block (its attention, and the gate table it moves) and report row, written to `folder`
+    as soon as it is fitted, so that a killed conversion resumes after the last finished layer."""
+
+    folder: Path
+
+    def path(self, layer_idx: int) -> Path:
+        return self.folder / f"layer-{layer_idx:04d}.safetensors"
+
+    def save(self, block: "StudentBlock", row: dict) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.path(row["layer"])
+        staging = path.with_name(path.name + ".partial")
+        save_file(block_state(block), staging, metadata={"row": json.dumps(row)})
+        os.replace(staging, path)  # whole or absent
+
+    def load(self, block: "StudentBlock", layer_idx: int) -> dict | None:
+        """The layer's saved row, its block restored; None when it was not fitted yet."""
+        if not self.path(layer_idx).exists():
+            return None
+        state = load_file(self.path(layer_idx))
+        block.layer.self_attn.load_state_dict({key[5:]: value for key, value in state.items() if key[:5] == "attn."})
+        if block.table is not None and block.moves_table:
+            block.table.load_state_dict({key[6:]: value for key, value in state.items() if key[:6] == "table."})
+        with safe_open(self.path(layer_idx), "pt") as saved:
+            return json.loads(saved.metadata()["row"])
+
+
+def block_state(block: "StudentBlock") -> dict[str, torch.Tensor]:
+    state = {f"attn.{key}": value for key, value in block.layer.self_attn.state_dict().items()}
+    if block.table is not None and block.moves_table:
+        state |= {f"table.{key}": value for key, value in block.table.state_dict().items()}
+    return {key: value.detach().contiguous().cpu() for key, value in state.items()}
+
+
 class LayerFit(NamedTuple):
     """One layer's fit: its report row and the student's stream after the kept block's attention [N, S, D]."""
 
@@ -157,10 +198,8 @@ def fit_layer(block: StudentBlock, streams: LayerStreams, blocks, rotary, settin
     start = [parameter.detach().clone() for parameter in parameters]
     device = streams.student_in.device
 
-    @torch.no_grad()
     def attended_and_error() -> tuple[torch.Tensor, float]:
-        with layer_autocast(block, settings, device):
-            attended = student_attention(block, streams.student_in, blocks, rotary)
+        attended = block_output(block, streams.student_in, blocks, rotary, settings)
         return attended, block_error(attended.float(), streams).item()
 
     closed_form, before = attended_and_error()
@@ -175,6 +214,13 @@ def fit_layer(block: StudentBlock, streams: LayerStreams, blocks, rotary, settin
         attended = closed_form
     row = {"layer": layer_idx, "before": before, "after": min(before, after), "fitted": after < before}
     return LayerFit(row, attended)
+
+
+@torch.no_grad()
+def block_output(block: StudentBlock, student_in, blocks, rotary, settings: ReconstructionSettings) -> torch.Tensor:
+    """The student's stream after the block's attention, over all the calibration blocks [N, S, D]."""
+    with layer_autocast(block, settings, student_in.device):
+        return student_attention(block, student_in, blocks, rotary)
 
 
 def adam_steps(
@@ -199,6 +245,7 @@ def adam_steps(
         loss.backward()
         optimizer.step()
         schedule.step()
+    optimizer.zero_grad(set_to_none=True)  # no stale gradient reaches a later stage's first step
     for parameter in parameters:
         parameter.requires_grad_(False)
 
@@ -210,10 +257,16 @@ def next_student_stream(block: StudentBlock, attended: torch.Tensor) -> torch.Te
 
 
 def reconstruct_layers(
-    student: EGMLAForCausalLM, teacher: LlamaForCausalLM, blocks: torch.Tensor, settings: ReconstructionSettings
+    student: EGMLAForCausalLM,
+    teacher: LlamaForCausalLM,
+    blocks: torch.Tensor,
+    settings: ReconstructionSettings,
+    fitted: FittedLayers | None = None,
 ) -> list[dict]:
     """Fits every attention block of `student` in place, on calibration token blocks [N, S] (see the module
-    docstring); per layer, the block error before and after. The caller's random state is left as it was."""
+    docstring); per layer, the block error before and after. With `fitted`, each layer is written there once fitted
+    and a layer found there is restored instead of fitted again (each layer's steps draw from their own seed, so a
+    resumed fit equals an uninterrupted one). The caller's random state is left as it was."""
     if settings.steps == 0:
         return []
     student.eval()
@@ -230,10 +283,17 @@ def reconstruct_layers(
             with layer_autocast(block, settings, student_in.device):
                 source = next(sources)
             streams = LayerStreams(student_in, source.hidden, source.hidden + source.attention)
-            fit = fit_layer(block, streams, blocks, rotary, settings)
-            rows.append(fit.row)
+            row = fitted.load(block, layer_idx) if fitted is not None else None
+            if row is None:
+                fit = fit_layer(block, streams, blocks, rotary, settings)
+                row, attended = fit.row, fit.attended
+                if fitted is not None:
+                    fitted.save(block, row)
+            else:
+                attended = block_output(block, student_in, blocks, rotary, settings)
+            rows.append(row)
             with layer_autocast(block, settings, student_in.device):
-                student_in = next_student_stream(block, fit.attended)
+                student_in = next_student_stream(block, attended)
     for parameter in student.parameters():
         parameter.requires_grad_(True)
     return rows
