@@ -6,6 +6,7 @@ Every option flag is made from the dataclass field of the same name (`egmla.opti
 
 import argparse
 import dataclasses
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from .conversion.pipeline import (
 from .conversion.reconstruction import ReconstructionSettings
 from .conversion.streaming import run_streaming_conversion
 from .data import smollm2_gguf
-from .options import Placement, add_fields
+from .options import Placement, add_fields, check_bounds
 from .outputs import report_json
 from .quickstart import QuickstartSettings, run_quickstart
 from .training import FinetuneSettings
@@ -164,18 +165,24 @@ def refuse_given(args: argparse.Namespace, names: tuple[str, ...], why: str) -> 
         raise ValueError(f"{flags} would do nothing: {why}; leave {'it' if len(given) == 1 else 'them'} out.")
 
 
+# What only the recovery reads: its settings, the time limit that cuts it, the held-out blocks it scores.
+NO_RECOVERY_FLAGS = ("time_limit", "eval_blocks", *(name for name in RECOVERY_FLAGS if name != "steps"))
+
+
 def refuse_ignored_flags(args: argparse.Namespace) -> None:
     """Flags that the chosen mode of `convert` or `retrofit` ignores."""
+    if args.train_text is None:
+        refuse_given(args, ("source_sample_share", "replay_samples"), "they mix samples into --train-text, not given")
     if getattr(args, "stream", False):
         refuse_given(
             args, UNSTREAMED_FLAGS, "--stream fits layer by layer only, with no recovery, stage scores or time limit"
         )
     elif args.steps == 0:
-        refuse_given(
-            args, tuple(name for name in RECOVERY_FLAGS if name != "steps"), "--steps 0 turns the recovery off"
-        )
+        refuse_given(args, NO_RECOVERY_FLAGS, "--steps 0 turns the recovery off")
     elif args.command == "convert" and args.train_text is None:
-        refuse_given(args, RECOVERY_FLAGS, "convert recovers the model only on text, and no --train-text is given")
+        refuse_given(
+            args, ("steps", *NO_RECOVERY_FLAGS), "convert recovers the model only on text, and no --train-text is given"
+        )
 
 
 def finetune_command(args: argparse.Namespace) -> None:
@@ -230,7 +237,19 @@ def converted_bench(args: argparse.Namespace) -> "converted.ConvertedBench":
     )
 
 
+def check_bench_numbers(args: argparse.Namespace) -> None:
+    """The bench's counts are at least 1 and its budget positive, before anything is built or timed."""
+    counts = {"--repetitions": [args.repetitions], "--steps": [args.steps], "--contexts": args.contexts,
+              "--batches": args.batches}  # fmt: skip
+    for flag, values in counts.items():
+        for value in values:
+            if value is not None:
+                check_bounds(flag, value, "[1, inf)")
+    check_bounds("--budget-mib", args.budget_mib, "(0, inf)")
+
+
 def bench_command(args: argparse.Namespace) -> None:
+    check_bench_numbers(args)
     results = args.results if not args.quick or args.results != Path("benchmarks/results") else Path("runs/bench-quick")
     if args.panel == "figure":
         png, markdown = figure.draw_figure(results)
@@ -432,12 +451,30 @@ class CommandError(SystemExit):
         return self.message
 
 
+FULL_DISK_BYTES = 256 * 2**20  # less free than this where the output goes: a failed write is the disk's fault
+
+
+def disk_full(out: Path | None) -> bool:
+    if out is None:
+        return False
+    folder = Path(out).resolve()
+    while not folder.exists():
+        folder = folder.parent
+    return shutil.disk_usage(folder).free < FULL_DISK_BYTES
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.handler(args)
-    except (OSError, ValueError) as error:  # bad input, a missing file, a full disk: one line, no traceback
+    except Exception as error:
+        # Bad input, a missing file, a full disk (safetensors and torch.save raise their own types for it): one line,
+        # no traceback. Anything else is a bug and keeps its traceback.
+        if not isinstance(error, (OSError, ValueError)) and not disk_full(getattr(args, "out", None)):
+            raise
         message = f"egmla {args.command}: {error}"
+        if not isinstance(error, (OSError, ValueError)):
+            message = f"egmla {args.command}: the disk holding {args.out} is full ({error}); nothing was written"
         print(message, file=sys.stderr)
         raise CommandError(message) from error
 

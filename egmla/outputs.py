@@ -17,18 +17,23 @@ from pathlib import Path
 STAGING_MARK = ".egmla-staging"
 
 
-def non_finite(value) -> bool:
+def non_finite(value: object) -> bool:
     return isinstance(value, float) and not math.isfinite(value)
 
 
-def finite(value):
-    """`value` without its NaN or infinite numbers: left out of dicts (a score not measured is absent), None in
-    lists; what strict JSON and a model card's metadata can hold."""
+def is_number(value: object) -> bool:
+    """A finite int or float: what a card may show as a score."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def finite(value: object) -> object:
+    """`value` with each NaN or infinite number replaced by None (JSON's null: no score to show), at any depth; what
+    strict JSON and a model card can hold."""
     if isinstance(value, dict):
-        return {key: finite(item) for key, item in value.items() if not non_finite(item)}
+        return {key: finite(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [None if non_finite(item) else finite(item) for item in value]
-    return value
+        return [finite(item) for item in value]
+    return None if non_finite(value) else value
 
 
 def report_json(report: dict) -> str:

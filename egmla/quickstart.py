@@ -47,8 +47,6 @@ class QuickstartSettings:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if not Path(self.tokenizer).is_dir():
-            raise FileNotFoundError(f"tokenizer (--tokenizer): {self.tokenizer} is not a tokenizer folder.")
 
 
 def small_config(tokenizer: PreTrainedTokenizerBase, **overrides) -> EGMLAConfig:

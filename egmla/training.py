@@ -15,6 +15,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -161,9 +162,12 @@ def with_lora(model: EGMLAForCausalLM, settings: FinetuneSettings) -> PeftModel:
     return get_peft_model(model, config)
 
 
-def save_checkpoint(accelerator: Accelerator, folder: Path, step: int, history: list[dict], steps: int) -> None:
+def save_checkpoint(
+    accelerator: Accelerator, folder: Path, step: int, history: list[dict], steps: int, finished: bool = False
+) -> None:
     """accelerate state + progress, written beside the last checkpoint and swapped in by renames (on the main
-    process; every process takes part in `save_state`)."""
+    process; every process takes part in `save_state`). `finished`: the run ended there (its steps done, or stopped
+    at its time limit), so a resumed run trains no further."""
     staging = folder.with_name(folder.name + ".saving")
     previous = folder.with_name(folder.name + ".previous")
     if accelerator.is_main_process:
@@ -171,7 +175,9 @@ def save_checkpoint(accelerator: Accelerator, folder: Path, step: int, history: 
     accelerator.wait_for_everyone()
     accelerator.save_state(str(staging / STATE_FOLDER))
     if accelerator.is_main_process:
-        (staging / PROGRESS_FILE).write_text(json.dumps({"step": step, "history": history, "steps": steps}))
+        (staging / PROGRESS_FILE).write_text(
+            json.dumps({"step": step, "history": history, "steps": steps, "finished": finished})
+        )
         shutil.rmtree(previous, ignore_errors=True)
         if folder.exists():
             folder.rename(previous)
@@ -355,16 +361,24 @@ def step_loss(
     return accelerator.reduce(total, reduction="mean").item()
 
 
-def resume_state(run: Run, settings: FinetuneSettings) -> tuple[int, list[dict], int | None]:
-    """(the step to start at, the history so far, the run's total steps): from the last checkpoint when resuming,
-    else (0, [], None)."""
+class Progress(NamedTuple):
+    """Where a run resumes: the step to start at, the history so far, the run's total steps, whether it had ended."""
+
+    step: int
+    history: list[dict]
+    steps: int | None
+    finished: bool
+
+
+def resume_state(run: Run, settings: FinetuneSettings) -> Progress:
+    """The progress of the last checkpoint when resuming (its state loaded into `run`), else a fresh start."""
     resume_from = resume_checkpoint(settings)
     if resume_from is None:
-        return 0, [], None
+        return Progress(0, [], None, False)
     run.accelerator.load_state(str(resume_from / STATE_FOLDER))
     progress = json.loads((resume_from / PROGRESS_FILE).read_text())
     run.accelerator.print(f"resumed from {resume_from} at step {progress['step']}")
-    return progress["step"], progress["history"], progress.get("steps")
+    return Progress(progress["step"], progress["history"], progress.get("steps"), progress.get("finished", False))
 
 
 def finetune(
@@ -403,9 +417,12 @@ def train_loop(
     if teacher is not None:
         teacher = teacher.to(accelerator.device).eval()
     checkpoint = Path(settings.checkpoint_dir) / "last" if settings.checkpoint_dir else None
-    start_step, history, saved_steps = resume_state(run, settings)
+    start_step, history, saved_steps, finished = resume_state(run, settings)
     started = time.time()
-    if settings.steps is None:  # a resumed run keeps the schedule it started with
+    if finished and settings.steps in (None, saved_steps):
+        # The run had ended (a kill came after its last checkpoint) and no longer run is asked for: train no further.
+        settings = dataclasses.replace(settings, steps=start_step)
+    elif settings.steps is None:  # a resumed run keeps the schedule it started with
         steps = saved_steps
         if not steps and start_step:
             raise ValueError(
@@ -443,7 +460,7 @@ def train_loop(
             break
     steps_done = step + 1 if settings.steps > start_step else start_step
     if checkpoint is not None:
-        save_checkpoint(accelerator, checkpoint, steps_done, history, settings.steps)
+        save_checkpoint(accelerator, checkpoint, steps_done, history, settings.steps, finished=True)
     # Without the autocast wrapper of a mixed precision configured through `accelerate launch`.
     model = accelerator.unwrap_model(run.model, keep_fp32_wrapper=False)
     if isinstance(model, PeftModel):

@@ -243,6 +243,22 @@ REFUSED_BEFORE_WORK = [
     ("recovery flags with --steps 0", flags("--steps", "0", "--batch-size", "2"), "--batch-size would do nothing"),
     ("--resume with no killed run", flags("--resume"), "there is no killed run of .*out to resume"),
     (
+        "--source-sample-share without --train-text",
+        without_text("--source-sample-share", "0.2"),
+        "--source-sample-share would do nothing: they mix samples into --train-text",
+    ),
+    (
+        "--time-limit with --steps 0",
+        flags("--steps", "0", "--time-limit", "5"),
+        "--time-limit would do nothing: --steps 0",
+    ),
+    (
+        "--calibration-blocks 1 with the split search",
+        lambda tmp: (llama_folder(tmp / "src"), ["--kv-lora-rank", "16", "--calibration-blocks", "1"]),
+        "the split search .* holds out a calibration block",
+    ),
+    ("--sample-temperatures with none", flags("--sample-temperatures"), "needs at least one temperature"),
+    (
         "a tokenizer larger than the model's vocabulary",
         tokenizer_past_the_vocabulary,
         "has 512 tokens, more than the model's vocab_size 256",
@@ -315,18 +331,27 @@ def test_finetune_and_ppl_refuse_nan_weights_by_name(tmp_path, converted_student
         main(["ppl", str(source), "--eval-text", text, "--block-size", "1"])
 
 
-def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("raised_by", ["os", "safetensors"])
+def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys, raised_by):
     import errno
+    import types
 
+    from safetensors import SafetensorError
+
+    import egmla.cli as cli
     from egmla.modeling_egmla import EGMLAForCausalLM
 
     def full_disk(self, folder, *args, **kwargs):
         (Path(folder) / "model.safetensors").write_bytes(b"half")
-        raise OSError(errno.ENOSPC, "No space left on device")
+        if raised_by == "os":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        # safetensors (and torch.save) say it with their own error types; the disk is then (nearly) full
+        monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=0))
+        raise SafetensorError("Error while serializing: I/O error")
 
     monkeypatch.setattr(EGMLAForCausalLM, "save_pretrained", full_disk)
     source, out = llama_folder(tmp_path / "src"), tmp_path / "out"
-    with pytest.raises(SystemExit, match="No space left on device") as refused:
+    with pytest.raises(SystemExit, match="No space left on device|disk holding .*out is full") as refused:
         main(["convert", str(source), "--out", str(out), *FAST, "--steps", "0", "--eval-documents", "2"])
     assert refused.value.code == 2 and "Traceback" not in capsys.readouterr().err
     assert not out.exists() and not [path for path in tmp_path.iterdir() if path.name.startswith(".out")]
@@ -365,7 +390,7 @@ def test_float16_converts_in_closed_form_and_refuses_to_train_without_loss_scali
         torch.testing.assert_close(half.float()(ids).logits, full(ids).logits, atol=2e-2, rtol=2e-2)
 
 
-def test_a_score_that_is_not_a_number_is_left_out_and_reports_are_strict_json():
+def test_a_score_that_is_not_a_number_is_null_and_reports_are_strict_json():
     import json
 
     from egmla.outputs import report_json
@@ -375,7 +400,7 @@ def test_a_score_that_is_not_a_number_is_left_out_and_reports_are_strict_json():
 
     report = {"perplexity": {"source": 10.0, "fine-tuned": float("nan")}, "history": [1.5, float("inf")], "steps": 3}
     parsed = json.loads(report_json(report), parse_constant=refuse)
-    assert parsed == {"perplexity": {"source": 10.0}, "history": [1.5, None], "steps": 3}
+    assert parsed == {"perplexity": {"source": 10.0, "fine-tuned": None}, "history": [1.5, None], "steps": 3}
 
 
 def test_resume_refuses_the_work_of_another_job(tmp_path):
@@ -386,3 +411,31 @@ def test_resume_refuses_the_work_of_another_job(tmp_path):
     with pytest.raises(SystemExit, match=r"--resume: the killed run in .*\.out\.resume was another job \(its .*source"):
         main([*command, "--resume"])
     assert not out.exists() and (tmp_path / ".out.resume" / "job.json").exists()  # its work is left as it was
+
+
+def test_a_card_leaves_out_scores_that_are_not_numbers(tmp_path, converted_student):
+    import json
+
+    from huggingface_hub import ModelCard
+
+    from egmla.conversion.report import write_model_card
+
+    _, student = converted_student
+    report = json.loads((student / "conversion_report.json").read_text())
+    report["perplexity"][report["saved_stage"]] = float("nan")  # a diverged stage
+    for row in report["stages"]:
+        row["selection_loss"] = float("inf")
+    write_model_card(tmp_path, report)
+    card = ModelCard.load(tmp_path / "README.md")
+    assert not card.data.eval_results and "nan" not in card.text.lower()
+    strict = json.loads((tmp_path / "conversion_report.json").read_text(), parse_constant=lambda name: 1 / 0)
+    assert strict["perplexity"][report["saved_stage"]] is None
+
+
+def test_bench_counts_below_one_are_refused_before_any_run():
+    for flags, message in ((["decode", "--repetitions", "0"], "--repetitions must be >= 1, got 0"),
+                           (["decode", "--contexts", "512", "0"], "--contexts must be >= 1, got 0"),
+                           (["train", "--steps", "-1"], "--steps must be >= 1, got -1"),
+                           (["decode", "--budget-mib", "0"], "--budget-mib must be > 0")):  # fmt: skip
+        with pytest.raises(SystemExit, match=message):
+            main(["bench", *flags])

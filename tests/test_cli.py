@@ -134,7 +134,7 @@ def test_the_main_job_keeps_its_minutes(monkeypatch):
     cli.main(["retrofit", "--out", "OUT", "--train-text", TEXT])
     cli.main(["retrofit", "--out", "OUT", "--time-limit", "30"])
     cli.main(["convert", SRC, "OUT", "--kv-cut", "0.5"])
-    cli.main(["convert", SRC, "OUT", "--kv-cut", "0.5", "--time-limit", "12"])
+    cli.main(["convert", SRC, "OUT", "--kv-cut", "0.5", "--time-limit", "12", "--train-text", TEXT])
     assert [job.time_limit for job in jobs] == [15.0, 20.0, 30.0, None, 12.0]
 
 

@@ -1,5 +1,6 @@
 """Recovery fine-tuning: distillation lowers the loss, LoRA merges, an interrupted run resumes identically."""
 
+import copy
 import dataclasses
 import json
 import math
@@ -243,6 +244,24 @@ def test_resume_falls_back_to_the_previous_checkpoint(tmp_path):
         finetune(student, teacher, blocks, FinetuneSettings(steps=0))
 
 
+def test_a_run_stopped_at_its_time_limit_resumes_to_the_same_model(tmp_path):
+    """A kill after the last checkpoint of a run that stopped early (its minutes spent) trains no further on
+    resume: the checkpoint says the run ended."""
+    teacher = tiny_llama()
+    blocks = torch.randint(3, 96, (16, 32), generator=torch.Generator().manual_seed(0))
+    student = convert_llama_to_egmla(
+        teacher, ConversionOptions(kv_lora_rank=12, rope_pairs=2, gate_embedding_dim=0), blocks[:4]
+    )
+    settings = dict(steps=50, batch_size=4, eval_every=0, save_every=0, checkpoint_dir=tmp_path, max_minutes=1e-6)
+    stopped = finetune(copy.deepcopy(student), teacher, blocks, FinetuneSettings(**settings))
+    assert stopped.stopped_early and stopped.steps_done < 50
+    resumed = finetune(copy.deepcopy(student), teacher, blocks, FinetuneSettings(**settings, resume=True))
+    assert resumed.steps_done == stopped.steps_done and resumed.history == stopped.history
+    resumed_state = resumed.model.state_dict()
+    for name, tensor in stopped.model.state_dict().items():
+        assert torch.equal(tensor, resumed_state[name]), name
+
+
 def test_finetune_cli_refuses_an_existing_output_and_resumes(tmp_path, capsys):
     needs_shared(STORIES260K)
     needs_shared(TINYSTORIES)
@@ -264,8 +283,6 @@ def test_finetune_cli_refuses_an_existing_output_and_resumes(tmp_path, capsys):
             "64",
             "--calib-blocks",
             "8",
-            "--eval-blocks",
-            "4",
             "--eval-documents",
             "8",
         ]
@@ -324,7 +341,7 @@ def test_a_checkpoint_without_its_schedule_length_is_not_budgeted_again(pair, tm
     finetune(student, teacher, blocks, FinetuneSettings(steps=2, **settings))
     progress = tmp_path / "last" / finetune_module.PROGRESS_FILE
     saved = json.loads(progress.read_text())
-    del saved["steps"]  # as an older checkpoint wrote it
+    del saved["steps"], saved["finished"]  # as an older checkpoint wrote it
     progress.write_text(json.dumps(saved))
     budgeted = FinetuneSettings(steps=None, max_minutes=0.05, resume=True, **settings)
     with pytest.raises(ValueError, match=r"does not say how long its schedule was: resume it with --steps N"):

@@ -185,6 +185,8 @@ class TextSettings:
     def __post_init__(self) -> None:
         self.sample_temperatures, self.extra_eval_text = tuple(self.sample_temperatures), tuple(self.extra_eval_text)
         check_fields(self)
+        if not self.sample_temperatures:
+            raise ValueError("sample_temperatures (--sample-temperatures) needs at least one temperature.")
 
 
 MAX_RECOVERY_BLOCK = FITTED_CONTEXT  # the default recovery length: longer blocks cost more than their tokens on a CPU
@@ -465,17 +467,19 @@ class ConversionJob:
         return work_folder(self.out)
 
     def __post_init__(self) -> None:
-        if self.resume and not (self.work / JOB_FILE).is_file():
-            raise ValueError(
-                f"--resume: there is no killed run of {self.out} to resume ({self.work} does not exist); leave "
-                "--resume out to start from the beginning."
-            )
         if self.time_limit is not None:
             check_bounds("time_limit (--time-limit)", self.time_limit, "(0, inf)")
         if isinstance(self.source, (str, Path)):
             source_config(self.source)  # a source that does not resolve, or that EG-MLA cannot convert
+        if self.options.rope_split == "auto" and self.text.calibration_blocks < 2:
+            raise ValueError(
+                "the split search (--rope-split auto) holds out a calibration block to compare on: give "
+                "--calibration-blocks 2 or more, or choose --rope-split."
+            )
         trains = self.finetune is not None or self.reconstruction.steps > 0
         check_trainable_dtype(self.placement, trains, "--reconstruction-steps 0 --steps 0 for a closed-form conversion")
+        if self.resume:
+            check_resumable(self)
 
 
 # Set aside after the recovery: scoring the saved model (1.24-1.30x the source's time in SmolLM2's runs), and 45 s
@@ -723,30 +727,39 @@ def work_folder(out: str | Path) -> Path:
 def job_description(job: "ConversionJob") -> dict:
     """What makes two runs the same job: a resumed run must not mix its work with another job's."""
     fields = ("source", "options", "text", "reconstruction", "finetune", "placement")
-    return json.loads(json.dumps({name: getattr(job, name) for name in fields}, default=describe))
+    return json.loads(json.dumps({name: getattr(job, name) for name in fields}, default=json_default))
 
 
-def describe(value):
+def json_default(value: object) -> object:
     return asdict(value) if dataclasses.is_dataclass(value) else str(value)
 
 
+def check_resumable(job: "ConversionJob") -> None:
+    """A killed run of this very job to resume, or an error naming what is missing or different."""
+    if not (job.work / JOB_FILE).is_file():
+        raise ValueError(
+            f"--resume: there is no killed run of {job.out} to resume ({job.work} does not exist); leave --resume out "
+            "to start from the beginning."
+        )
+    saved, described = json.loads((job.work / JOB_FILE).read_text()), job_description(job)
+    changed = sorted(name for name in described if saved.get(name) != described[name])
+    if changed:
+        raise ValueError(
+            f"--resume: the killed run in {job.work} was another job (its {', '.join(changed)} differ); give the same "
+            "source and options, or leave --resume out to start again."
+        )
+
+
 def start_work(job: "ConversionJob") -> Path:
-    """The job's work folder: kept as it is to resume it (when it is this job's), else started empty."""
-    work, described = job.work, job_description(job)
+    """The job's work folder: kept as it is to resume it (checked when the job was built), else started empty."""
+    work = job.work
     if job.resume:
-        saved = json.loads((work / JOB_FILE).read_text())
-        changed = sorted(name for name in described if saved.get(name) != described[name])
-        if changed:
-            raise ValueError(
-                f"--resume: the killed run in {work} was another job (its {', '.join(changed)} differ); give the "
-                "same source and options, or leave --resume out to start again."
-            )
         return work
     if work.exists():
         print(f"starting again: the work of a killed run in {work} is discarded (--resume would continue it)")
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    (work / JOB_FILE).write_text(json.dumps(described, indent=2))
+    (work / JOB_FILE).write_text(json.dumps(job_description(job), indent=2))
     return work
 
 

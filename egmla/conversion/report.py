@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from ..hub import SourceMetadata, perplexity_result, save_card
-from ..outputs import finite, report_json
+from ..outputs import finite, is_number, report_json
 
 
 def format_table(rows: list[tuple[str, str]]) -> str:
@@ -63,6 +63,8 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
 def versus(values: dict, name: str) -> str:
     """A model's figure, and against the source's where both are there."""
     value, source = values.get(name), values.get("source")
+    if value is None:
+        return "not a number"
     return f"{value:.3f}" + (f" ({value / source - 1:+.2%})" if source and name != "source" else "")
 
 
@@ -77,7 +79,11 @@ def generality_rows(report: dict) -> list[tuple[str, str]]:
     samples = report.get("source_samples", {})
     if samples:
         values = {model: row["perplexity"] for model, row in samples.items()}
-        kl = ", ".join(f"{m} {row['kl_to_source']:.4f}" for m, row in samples.items() if m != "source")
+        kl = ", ".join(
+            f"{m} {row['kl_to_source']:.4f}"
+            for m, row in samples.items()
+            if m != "source" and row["kl_to_source"] is not None
+        )
         count = report.get("held_aside_samples")
         rows.append((f"source's samples ({count} held aside)", ", ".join(f"{m} {versus(values, m)}" for m in values)))
         rows.append(("  KL to the source (nats/token)", kl))
@@ -226,8 +232,8 @@ def measurement_words(report: dict) -> str:
 def write_model_card(folder: Path, report: dict) -> None:
     """README.md (a Hub model card made by huggingface_hub, its metadata from `report["card"]`) and
     conversion_report.json in the output folder."""
-    report = finite(report)
     (folder / "conversion_report.json").write_text(report_json(report))
+    report = finite(report)  # the card shows no NaN: a score that is not a number is left out
     card = report.get("card", {})
     settings = "\n".join(
         f"| `{key}` | `{value}` |" for part in ("options", "budget") for key, value in report[part].items()
@@ -235,7 +241,7 @@ def write_model_card(folder: Path, report: dict) -> None:
     table = "\n".join(f"| {name} | {value} |" for name, value in report_rows(report))
     source = card.get("base_model") or report["source"]
     value = output_perplexity(report)
-    results = [perplexity_result(value, card.get("eval_dataset"))] if value else None
+    results = [perplexity_result(value, card.get("eval_dataset"))] if is_number(value) else None
     body = f"""
 # EG-MLA retrofit of `{source}`
 
@@ -279,8 +285,8 @@ def write_finetune_card(folder: Path, summary: dict) -> None:
     scores = summary.get("perplexity", {})
     source = card.get("base_model") or summary["teacher"]
     saved = scores.get(summary.get("saved_stage", "after"))
-    results = [perplexity_result(saved, card.get("eval_dataset"))] if saved else None
-    rows = "\n".join(f"| {name} | {value:.3f} |" for name, value in scores.items() if value is not None)
+    results = [perplexity_result(saved, card.get("eval_dataset"))] if is_number(saved) else None
+    rows = "\n".join(f"| {name} | {value:.3f} |" for name, value in scores.items() if is_number(value))
     body = f"""
 # EG-MLA retrofit of `{source}`, fine-tuned
 

@@ -165,7 +165,7 @@ def run_step(module: torch.nn.Module, call, mask: torch.Tensor, backend: str) ->
 
 def fused_decode(
     module: torch.nn.Module, call, attention_mask: torch.Tensor | None, backend: str, by_name: bool = True
-):
+) -> torch.Tensor | None:
     """The step's output [B, S, H, dv], or None to leave it to the model's reference path. `by_name`: the backend
     was asked for (an implementation's name or EGMLA_KERNEL), so its failure is an error, not a fallback."""
     if call.version not in SUPPORTED_DECODE_VERSIONS:
