@@ -151,6 +151,8 @@ def row(name: str, gigabytes: float, result: dict, budget: dict) -> dict:
         "stage_seconds": result["report"]["stage_seconds"],
         "peak_rss_gb": round(result["peak_rss_gb"], 2),
         "rss_per_checkpoint": round(result["peak_rss_gb"] / gigabytes, 2),
+        # what the conversion's memory check predicted before its long stages (`egmla/conversion/memory.py`)
+        "predicted_peak_gb": result["report"].get("memory", {}).get("predicted_peak_gb"),
     }
 
 

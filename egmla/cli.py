@@ -120,6 +120,7 @@ def retrofit_command(args: argparse.Namespace) -> None:
         license=args.license,
         time_limit=args.time_limit,
         resume=args.resume,
+        force=args.force,
         placement=from_args(Placement, args),
     )
     run_conversion(job)
@@ -145,6 +146,7 @@ def convert_command(args: argparse.Namespace) -> None:
         license=args.license,
         time_limit=args.time_limit,
         resume=args.resume,
+        force=args.force,
         placement=from_args(Placement, args),
     )
     run_streaming_conversion(job) if args.stream else run_conversion(job)
@@ -152,7 +154,7 @@ def convert_command(args: argparse.Namespace) -> None:
 
 RECOVERY_FLAGS = tuple(field.name for field in dataclasses.fields(FinetuneSettings) if "help" in field.metadata)
 # What `--stream` does without (it fits layer by layer only, and does not resume yet).
-UNSTREAMED_FLAGS = ("score_stages", "time_limit", "resume", *RECOVERY_FLAGS)
+UNSTREAMED_FLAGS = ("score_stages", "time_limit", "resume", "force", *RECOVERY_FLAGS)
 
 
 def refuse_given(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
@@ -300,6 +302,9 @@ def add_job_options(parser: argparse.ArgumentParser, time_limit_default: str) ->
         action="store_true",
         help="continue a killed run of the same job from its last fitted layer or recovery checkpoint (kept in "
         ".OUT.resume beside OUT until the output is saved)",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="run even where the memory estimate says the conversion will not fit"
     )
 
 

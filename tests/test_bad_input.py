@@ -1,6 +1,7 @@
 """The README's bad-input table, row by row: each bad input gets an error that names the problem (and what to do),
 nothing is written, and the source is left as it was."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -146,26 +147,41 @@ def test_bad_model_input_is_refused_by_name():
         model(torch.tensor([[3, 4]]), cache=DynamicCache())
 
 
-def test_a_conversion_that_will_not_fit_in_memory_is_warned_before_it_runs(monkeypatch, tmp_path, capsys):
+def test_a_conversion_that_will_not_fit_in_memory_is_refused_before_its_long_stages(monkeypatch, tmp_path, capsys):
     from egmla.conversion import memory
-    from egmla.training import FinetuneSettings
 
     teacher = tiny_llama()
     source_bytes = teacher.get_memory_footprint(return_buffers=False)
+    full = memory.MemoryShape(4, 64, True, False, 32)
+    estimate = memory.estimate_memory(teacher, full)
+    assert estimate.student == source_bytes and estimate.training == 3 * source_bytes
+    # the recovery's logits (two forward copies and two float32 ones) and each layer's saved values, or the scoring
+    tokens, config = 4 * 64, teacher.config
+    heads = config.num_attention_heads
+    per_token = 6 * config.hidden_size + 4 * config.intermediate_size + 4 * heads * config.head_dim + heads * 64
+    assert estimate.activations == tokens * config.vocab_size * 16 + 2 * tokens * per_token * 4
+    lora = memory.estimate_memory(teacher, memory.MemoryShape(4, 64, False, False, 32))
+    assert lora.training == 0 and lora.peak < estimate.peak
     monkeypatch.setattr(memory, "get_max_memory", lambda: {"cpu": 2 * source_bytes})
-    full = memory.memory_warning(teacher, FinetuneSettings())
-    assert full and f"{4 * source_bytes / 1e9:.1f} GB more on cpu" in full and "--dtype bfloat16" in full
-    assert memory.memory_warning(teacher, FinetuneSettings(lora=True)) is None  # the student alone fits
-    assert memory.memory_warning(teacher, None) is None
+    with pytest.raises(
+        ValueError, match=r"needs about .* GB more on cpu .*--dtype bfloat16.*--lora.*--stream.*--force"
+    ):
+        memory.check_memory(teacher, full)
+    assert memory.check_memory(teacher, full, force=True) == estimate
     monkeypatch.setattr(memory, "get_max_memory", lambda: {})  # unknown: nothing to say
-    assert memory.memory_warning(teacher, FinetuneSettings()) is None
+    assert memory.check_memory(teacher, full) == estimate
 
-    # The command says so before its long stages, and still converts.
-    source = llama_folder(tmp_path / "src")
+    # The command refuses before its long stages, and with --force converts, saying so; the report holds the estimate.
+    source, out = llama_folder(tmp_path / "src"), tmp_path / "out"
     monkeypatch.setattr(memory, "get_max_memory", lambda: {"cpu": 1})
-    main(["convert", str(source), "--out", str(tmp_path / "out"), *FAST, "--steps", "0", "--eval-documents", "2"])
-    output = capsys.readouterr().out
-    assert "it may run out of memory" in output and (tmp_path / "out" / "config.json").exists()
+    command = ["convert", str(source), "--out", str(out), *FAST, "--steps", "0", "--eval-documents", "2"]
+    with pytest.raises(SystemExit, match="--force runs it anyway"):
+        main(command)
+    assert not out.exists()
+    main([*command, "--force"])
+    assert "warning: this conversion needs about" in capsys.readouterr().out
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert report["memory"]["predicted_peak_gb"] > 0
 
 
 # Every option, file and source is checked when the job is built: the CLI prints one line and exits with status 2

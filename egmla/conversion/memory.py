@@ -1,17 +1,87 @@
-"""What a whole-model conversion adds to memory beside its source, checked before the long stages: the student (about
-the source's size) and, when the recovery trains every parameter, its gradients and Adam's two moments. Activations
-and logits come on top, so this is a floor: a conversion that exceeds it is warned before it runs for an hour and
-then runs out of memory."""
+"""What a whole-model conversion needs in memory, counted before its long stages: the source and the student, the
+recovery's training state (gradients and Adam's two moments when every weight trains) and the largest stage's
+activations (the recovery's logits and saved activations, or the scoring of the source's samples, whose logits span
+the vocabulary). A conversion that would not fit is refused before it runs for an hour and then runs out of memory,
+unless `--force`."""
+
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import get_max_memory
 from transformers import PreTrainedModel
 
-from ..training import FinetuneSettings
+GB = 1e9
+RUNTIME_BYTES = int(1.0 * GB)  # Python, torch, transformers and the tokenizer, resident before any model
+# The process's allocator keeps freed blocks: what peaks is the live tensors and a share more.
+ALLOCATOR_OVERHEAD = 1.15
+# Per token, the values a decoder layer saves for its backward: its norms' inputs and outputs and the residual
+# stream (in units of the hidden size), its MLP's gate, up, activation and product (of the intermediate size), its
+# query, key, value and output heads (of heads x head size), and the attention weights (of heads x length).
+SAVED_HIDDEN, SAVED_INTERMEDIATE, SAVED_HEADS = 6, 4, 4
+# The distillation's logits per token: the student's and the teacher's (in the forward dtype), the gradient and its
+# scaled copy (float32).
+LOGIT_COPIES_FLOAT32 = 2
+# Scoring the source's samples: two models' float32 logits, their log-softmaxes and three temporaries of the KL.
+SAMPLE_SCORING_COPIES = 7
+SAMPLE_SCORING_BATCH = 4
 
-# The student's weights, and with a full recovery their gradients and Adam's first and second moments.
-STUDENT_COPIES = 1
-FULL_TRAINING_COPIES = 4
+
+@dataclass(frozen=True)
+class MemoryShape:
+    """What the estimate reads of a job: the recovery's tokens per micro-batch and whether it trains every weight,
+    whether forward passes run under bf16 autocast, and the longest batch of samples scored."""
+
+    recovery_batch: int  # sequences per micro-batch; 0 without a recovery
+    recovery_block: int  # tokens per sequence
+    full_training: bool
+    autocast_bf16: bool
+    sample_tokens: int  # the held-aside samples' longest length (0: none)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes, by what holds them; `peak` is what the process's resident memory is expected to reach."""
+
+    runtime: int
+    source: int
+    student: int
+    training: int
+    activations: int
+
+    @property
+    def peak(self) -> int:
+        live = self.source + self.student + self.training + self.activations
+        return self.runtime + int(ALLOCATOR_OVERHEAD * live)
+
+
+def activation_bytes(config, shape: MemoryShape) -> int:
+    """The largest stage's activations: the recovery's (saved per layer, and the logits) or the samples' scoring."""
+    vocab, layers = config.vocab_size, config.num_hidden_layers
+    scoring = SAMPLE_SCORING_COPIES * 4 * SAMPLE_SCORING_BATCH * shape.sample_tokens * vocab
+    tokens = shape.recovery_batch * shape.recovery_block
+    if not tokens:
+        return scoring
+    forward_bytes = 2 if shape.autocast_bf16 else 4
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = config.num_attention_heads
+    per_token = (
+        SAVED_HIDDEN * config.hidden_size
+        + SAVED_INTERMEDIATE * config.intermediate_size
+        + SAVED_HEADS * heads * head_size
+        + heads * shape.recovery_block
+    )
+    saved = layers * tokens * per_token * forward_bytes
+    logits = tokens * vocab * (2 * forward_bytes + 4 * LOGIT_COPIES_FLOAT32)
+    return max(scoring, saved + logits)
+
+
+def estimate_memory(source: PreTrainedModel, shape: MemoryShape) -> MemoryEstimate:
+    """The conversion's memory on the source's device, from the source's footprint and config (the student is about
+    the source's size: the attention shrinks, the embeddings and MLPs stay)."""
+    source_bytes = source.get_memory_footprint(return_buffers=False)
+    training = 3 * source_bytes if shape.full_training else 0  # gradients and Adam's two moments
+    activations = activation_bytes(source.config, shape)
+    return MemoryEstimate(RUNTIME_BYTES, source_bytes, source_bytes, training, activations)
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -21,19 +91,22 @@ def free_memory(device: torch.device) -> int | None:
     return memory.get(key)
 
 
-def memory_warning(teacher: PreTrainedModel, finetune: FinetuneSettings | None) -> str | None:
-    """A warning when the student and its recovery's training state will not fit in what is free on the source's
-    device (the source already loaded there); None when they will or when the free memory is unknown."""
-    source_bytes = teacher.get_memory_footprint(return_buffers=False)
-    trains_all = finetune is not None and not finetune.lora
-    needed = source_bytes * (FULL_TRAINING_COPIES if trains_all else STUDENT_COPIES)
-    free = free_memory(teacher.device)
-    if free is None or needed <= free:
-        return None
-    what = "the student, its gradients and Adam's two moments" if trains_all else "the student"
-    return (
-        f"warning: this conversion needs at least {needed / 1e9:.1f} GB more on {teacher.device} ({what}, beside the "
-        f"{source_bytes / 1e9:.1f} GB source), and {free / 1e9:.1f} GB are free: it may run out of memory. "
-        "--dtype bfloat16 halves it, --lora trains adapters instead of every weight, --stream holds one layer at a "
-        "time (without the recovery)."
+def check_memory(source: PreTrainedModel, shape: MemoryShape, force: bool = False) -> MemoryEstimate:
+    """The estimate, or a ValueError naming what would shrink it when what comes after the loaded source does not
+    fit in what is free on its device (`force`: a warning instead)."""
+    estimate = estimate_memory(source, shape)
+    free = free_memory(source.device)
+    more = estimate.peak - estimate.runtime - estimate.source  # the source is loaded already
+    if free is None or more <= free:
+        return estimate
+    message = (
+        f"this conversion needs about {more / GB:.1f} GB more on {source.device} (the student "
+        f"{estimate.student / GB:.1f}, training state {estimate.training / GB:.1f}, activations "
+        f"{estimate.activations / GB:.1f}; peak about {estimate.peak / GB:.1f} GB), and {free / GB:.1f} GB are free. "
+        "--dtype bfloat16 halves the weights, --lora trains adapters instead of every weight, --stream holds one "
+        "layer at a time (without the recovery); --force runs it anyway."
     )
+    if not force:
+        raise ValueError(message)
+    print(f"warning: {message}")
+    return estimate

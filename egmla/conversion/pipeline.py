@@ -46,7 +46,7 @@ from .calibration import FITTED_CONTEXT
 from .convert import ConversionOptions, build_student
 from .decode_cost import cost_row, egmla_cost, measure_decode, rebuild_warning, source_cost
 from .gate import fit_gate
-from .memory import memory_warning
+from .memory import GB, MemoryShape, check_memory
 from .plan import plan_conversion
 from .reconstruction import FittedLayers, ReconstructionSettings, reconstruct_layers
 from .report import print_report, write_finetune_card, write_model_card
@@ -461,6 +461,7 @@ class ConversionJob:
     time_limit: float | None = None  # minutes for the whole job: the recovery gets what the other stages leave
     placement: Placement = Placement()  # the source's and the student's device and dtype (the output's dtype)
     resume: bool = False  # continue a killed run of the same job from its work folder
+    force: bool = False  # run even where the memory estimate says it will not fit
 
     @property
     def work(self) -> Path:
@@ -573,9 +574,7 @@ def run_conversion(job: ConversionJob) -> dict:
         check_tokenizer(tokenizer, source_config(job.source), job.source)  # before the weights load
         teacher = load_llama(job.source, job.placement)
         text = prepare_text(teacher, tokenizer, job.text)
-    shortage = memory_warning(teacher, job.finetune)  # said before the long stages, not when memory runs out
-    if shortage:
-        print(shortage)
+    memory = check_memory(teacher, memory_shape(job, text, teacher), job.force)  # before the long stages
     calibration = text.fit[: job.text.calibration_blocks]
     plan, _ = plan_conversion(teacher, job.options, calibration, times)
     student = build_student(teacher, plan)
@@ -613,6 +612,10 @@ def run_conversion(job: ConversionJob) -> dict:
         "finetune": finetune_summary,
         "time_limit": job.time_limit,
         "placement": {"device": str(teacher.device), "dtype": job.placement.dtype},
+        "memory": {
+            "predicted_peak_gb": round(memory.peak / GB, 2),
+            "activations_gb": round(memory.activations / GB, 2),
+        },
         "decode": {
             "arithmetic": cost_row(egmla_cost(student.config), source_cost(teacher.config)),
             "source_arithmetic": cost_row(source_cost(teacher.config), source_cost(teacher.config)),
@@ -637,6 +640,16 @@ def run_conversion(job: ConversionJob) -> dict:
     print_report(report)
     print(f"\nsaved {job.out} ({report['seconds']} s)")
     return report
+
+
+def memory_shape(job: ConversionJob, text: TextData, source: torch.nn.Module) -> MemoryShape:
+    """What the memory estimate reads of a job: its recovery's batch and length, what it trains, its autocast."""
+    settings = job.finetune
+    samples = max((len(sample) for sample in text.source_samples), default=0)
+    if settings is None:
+        return MemoryShape(0, 0, False, text.bf16_scoring, samples)
+    bf16 = uses_bf16(settings.mixed_precision, source.device, source.config.hidden_size)
+    return MemoryShape(settings.batch_size, text.recovery.shape[1], not settings.lora, bf16, samples)
 
 
 def kv_report(teacher: torch.nn.Module, student: torch.nn.Module, prompt: torch.Tensor) -> dict:
