@@ -467,6 +467,11 @@ class ConversionJob:
     def work(self) -> Path:
         return work_folder(self.out)
 
+    @property
+    def trains(self) -> bool:
+        """Whether a stage trains (the layer-wise fit, the recovery): what writes work to resume from."""
+        return self.finetune is not None or self.reconstruction.steps > 0
+
     def __post_init__(self) -> None:
         if self.time_limit is not None:
             check_bounds("time_limit (--time-limit)", self.time_limit, "(0, inf)")
@@ -477,8 +482,9 @@ class ConversionJob:
                 "the split search (--rope-split auto) holds out a calibration block to compare on: give "
                 "--calibration-blocks 2 or more, or choose --rope-split."
             )
-        trains = self.finetune is not None or self.reconstruction.steps > 0
-        check_trainable_dtype(self.placement, trains, "--reconstruction-steps 0 --steps 0 for a closed-form conversion")
+        check_trainable_dtype(
+            self.placement, self.trains, "--reconstruction-steps 0 --steps 0 for a closed-form conversion"
+        )
         if self.resume:
             check_resumable(self)
 
@@ -588,8 +594,7 @@ def run_conversion(job: ConversionJob) -> dict:
     with times.stage("scoring"):
         scores = score_documents({"source": teacher}, text, teacher)
     deadline = recovery_deadline(job, started, scoring_seconds=times.seconds["scoring"])
-    if job.finetune is not None or job.reconstruction.steps > 0:
-        start_work(job)  # the fitting stages write what a killed run resumes from
+    start_work(job)  # the fitting stages write what a killed run resumes from
     fitting = fit_stages(student, teacher, job, text, calibration, scores, deadline, times)
     student, stages, layers, finetune_summary = fitting.student, fitting.stages, fitting.layers, fitting.finetune
     if stages.saved_stage not in scores["perplexity"]:  # the saved model is always scored
@@ -763,9 +768,12 @@ def check_resumable(job: "ConversionJob") -> None:
         )
 
 
-def start_work(job: "ConversionJob") -> Path:
-    """The job's work folder: kept as it is to resume it (checked when the job was built), else started empty."""
+def start_work(job: "ConversionJob") -> Path | None:
+    """The job's work folder: kept as it is to resume it (checked when the job was built), else started empty; None
+    when no stage trains, so there is nothing to resume."""
     work = job.work
+    if not job.trains:
+        return None
     if job.resume:
         return work
     if work.exists():
