@@ -81,11 +81,11 @@ def value_type(annotation: Any) -> type:
 def add_fields(parser: argparse.ArgumentParser, cls: type, names: tuple[str, ...] | None = None) -> None:
     """One flag per `option` field of `cls` (or of those in `names`), with the field's default, choices and help;
     the class's `flag_prefix` (e.g. "reconstruction_"), if any, goes before each flag's name and destination."""
-    hints, prefix = typing.get_type_hints(cls), getattr(cls, "flag_prefix", "")
+    hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         if "help" not in field.metadata or (names is not None and field.name not in names):
             continue
-        flags = (f"--{(prefix + field.name).replace('_', '-')}", *field.metadata["flags"])
+        flags = (flag_name(cls, field.name), *field.metadata["flags"])
         kind, help_text = value_type(hints[field.name]), field.metadata["help"].replace("%", "%%")
         if kind is bool:  # --name and --no-name: a default of True can be turned off too
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)

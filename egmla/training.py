@@ -32,6 +32,7 @@ from .text import loss_and_accuracy, token_blocks
 STATE_FOLDER = "accelerate_state"
 MIXED_PRECISIONS = ("no", "bf16", "auto")
 PROGRESS_FILE = "progress.json"
+LAST_CHECKPOINT = "last"  # the checkpoint folder inside checkpoint_dir
 
 
 @dataclass
@@ -191,13 +192,18 @@ def resume_checkpoint(settings: "FinetuneSettings") -> Path | None:
     there is none, rather than a silent start from step 0."""
     if not settings.resume:
         return None
-    found = latest_checkpoint(Path(settings.checkpoint_dir) / "last")
+    found = saved_checkpoint(settings.checkpoint_dir)
     if found is None:
         raise ValueError(
             f"--resume: {settings.checkpoint_dir} holds no checkpoint to resume from; give the --checkpoint-dir the "
             "run saved into, or leave --resume out to start from step 0."
         )
     return found
+
+
+def saved_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    """The checkpoint a run saved into `checkpoint_dir` (see `latest_checkpoint`); None when it saved none."""
+    return latest_checkpoint(Path(checkpoint_dir) / LAST_CHECKPOINT)
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
@@ -416,7 +422,7 @@ def train_loop(
     accelerator = run.accelerator
     if teacher is not None:
         teacher = teacher.to(accelerator.device).eval()
-    checkpoint = Path(settings.checkpoint_dir) / "last" if settings.checkpoint_dir else None
+    checkpoint = Path(settings.checkpoint_dir) / LAST_CHECKPOINT if settings.checkpoint_dir else None
     start_step, history, saved_steps, finished = resume_state(run, settings)
     started = time.time()
     if finished and settings.steps in (None, saved_steps):

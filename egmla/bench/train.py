@@ -15,7 +15,7 @@ from ..configuration_egmla import EGMLAConfig
 from ..data import EXCERPT, TOKENIZER
 from ..modeling_egmla import EGMLAForCausalLM
 from ..text import loss_and_accuracy, read_documents, split_documents, token_blocks
-from ..training import FinetuneSettings, finetune, latest_checkpoint
+from ..training import FinetuneSettings, finetune, saved_checkpoint
 
 SHARED_TEXT = Path("../shared/assets/text/tinystories_train_2MiB.txt")
 
@@ -112,7 +112,7 @@ def run_train(bench: TrainBench, results: Path) -> dict:
             eval_every=bench.eval_every,
             save_every=bench.eval_every,
             checkpoint_dir=folder / "checkpoints" / name,
-            resume=latest_checkpoint(folder / "checkpoints" / name / "last") is not None,
+            resume=saved_checkpoint(folder / "checkpoints" / name) is not None,
             seed=bench.seed,
             max_minutes=bench.max_minutes_per_run,
         )

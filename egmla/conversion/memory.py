@@ -10,6 +10,8 @@ import torch
 from accelerate.utils import get_max_memory
 from transformers import PreTrainedModel
 
+from .source import attention_shape
+
 GB = 1e9
 RUNTIME_BYTES = int(1.0 * GB)  # Python, torch, transformers and the tokenizer, resident before any model
 # The process's allocator keeps freed blocks: what peaks is the live tensors and a share more.
@@ -62,8 +64,7 @@ def activation_bytes(config, shape: MemoryShape) -> int:
     if not tokens:
         return scoring
     forward_bytes = 2 if shape.autocast_bf16 else 4
-    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    heads = config.num_attention_heads
+    head_size, heads = attention_shape(config).head_dim, config.num_attention_heads
     per_token = (
         SAVED_HIDDEN * config.hidden_size
         + SAVED_INTERMEDIATE * config.intermediate_size

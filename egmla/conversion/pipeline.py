@@ -37,8 +37,8 @@ from ..training import (
     FinetuneSettings,
     bf16_autocast,
     finetune,
-    latest_checkpoint,
     resume_checkpoint,
+    saved_checkpoint,
     settings_summary,
     uses_bf16,
 )
@@ -559,7 +559,7 @@ def fit_stages(
         skipped = None if job.finetune is None else {"skipped": "time limit", "time_limit": job.time_limit}
         return Fitting(student, stages, layers, skipped)
     checkpoints = job.work / "recovery"  # a killed run's recovery resumes from its last checkpoint
-    resumes = latest_checkpoint(checkpoints / "last") is not None
+    resumes = saved_checkpoint(checkpoints) is not None
     settings = dataclasses.replace(settings, checkpoint_dir=checkpoints, resume=resumes)
     with times.stage("recovery"):
         result = finetune(student, teacher, text.recovery, settings, text.held_out)
