@@ -148,13 +148,14 @@ def convert_command(args: argparse.Namespace) -> None:
         resume=args.resume,
         force=args.force,
         placement=from_args(Placement, args),
+        stream=args.stream,
     )
-    run_streaming_conversion(job) if args.stream else run_conversion(job)
+    run_streaming_conversion(job) if job.stream else run_conversion(job)
 
 
 RECOVERY_FLAGS = tuple(field.name for field in dataclasses.fields(FinetuneSettings) if "help" in field.metadata)
-# What `--stream` does without (it fits layer by layer only, and does not resume yet).
-UNSTREAMED_FLAGS = ("score_stages", "time_limit", "resume", "force", *RECOVERY_FLAGS)
+# What `--stream` does without (it fits layer by layer only, and holds one layer, so no memory check to force).
+UNSTREAMED_FLAGS = ("score_stages", "time_limit", "force", *RECOVERY_FLAGS)
 
 
 def refuse_given(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:

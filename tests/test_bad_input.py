@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
+from egmla import EGMLAConfig, EGMLAForCausalLM
 from egmla.cli import main
 from tests.utils import (
     FAST,
@@ -147,6 +148,36 @@ def test_bad_model_input_is_refused_by_name():
         model(torch.tensor([[3, 4]]), cache=DynamicCache())
 
 
+@pytest.mark.parametrize("autocast_bf16", [False, True])
+def test_the_memory_estimate_counts_what_a_student_layer_saves_for_its_backward(autocast_bf16):
+    """Per token, a student decoder layer's saved tensors (counted by storage, two lengths apart so that the per-step
+    copies of weights cancel) are what `saved_bytes_per_token` says, within 20%."""
+    from egmla.conversion import memory
+
+    shape = dict(vocab_size=64, hidden_size=256, intermediate_size=640, num_attention_heads=4, num_key_value_heads=2,
+                 kv_lora_rank=48, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64)  # fmt: skip
+
+    def saved_bytes(layers: int, tokens: int) -> int:
+        torch.manual_seed(0)
+        model, storages = EGMLAForCausalLM(EGMLAConfig(num_hidden_layers=layers, **shape)), {}
+
+        def keep(tensor):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+                model(input_ids=torch.randint(0, 64, (2, tokens)), use_cache=False)
+        return sum(storages.values())
+
+    def layer(tokens: int) -> int:  # the embedding, the final norm and the head save per token too
+        return saved_bytes(2, tokens) - saved_bytes(1, tokens)
+
+    per_token = (layer(96) - layer(32)) / (2 * 64)
+    config = EGMLAConfig(**shape)
+    assert per_token == pytest.approx(memory.saved_bytes_per_token(config, autocast_bf16), rel=0.2)
+
+
 def test_a_conversion_that_will_not_fit_in_memory_is_refused_before_its_long_stages(monkeypatch, tmp_path, capsys):
     from egmla.conversion import memory
 
@@ -157,8 +188,7 @@ def test_a_conversion_that_will_not_fit_in_memory_is_refused_before_its_long_sta
     assert estimate.student == source_bytes and estimate.training == 3 * source_bytes
     # the recovery's logits (two forward copies and two float32 ones) and each layer's saved values, or the scoring
     tokens, config = 4 * 64, teacher.config
-    heads = config.num_attention_heads
-    per_token = 6 * config.hidden_size + 4 * config.intermediate_size + 4 * heads * config.head_dim + heads * 64
+    per_token = (6 + 8) * config.hidden_size + 4 * config.intermediate_size  # float32: no autocast
     assert estimate.activations == tokens * config.vocab_size * 16 + 2 * tokens * per_token * 4
     lora = memory.estimate_memory(teacher, memory.MemoryShape(4, 64, False, False, 32))
     assert lora.training == 0 and lora.peak < estimate.peak

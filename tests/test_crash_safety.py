@@ -183,3 +183,48 @@ def test_a_killed_conversion_resumes_to_the_result_of_an_uninterrupted_run(tmp_p
     assert expected.keys() == resumed.keys()
     for name, tensor in expected.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def statistics_saved(work: Path) -> int:
+    return len(list((work / "statistics").glob("layer-*.pt")))
+
+
+def layers_streamed(work: Path) -> int:
+    try:
+        return torch.load(work / "progress.pt", weights_only=True)["next_layer"]
+    except (OSError, RuntimeError, EOFError):  # none yet, or caught mid-rename
+        return 0
+
+
+def test_a_killed_streamed_conversion_resumes_to_the_result_of_an_uninterrupted_run(tmp_path):
+    """`--stream` killed in the split search's pass, in the conversion's pass over the layers, and once more after it
+    resumed (each kill confirmed to have landed there): `--resume` continues after the last finished layer (the
+    search done once), and the saved model and its held-out scores equal an uninterrupted run's."""
+    source = llama_folder(tmp_path / "src", num_hidden_layers=6)
+    text = tmp_path / "text.txt"
+    text.write_text("\n<|endoftext|>\n".join(f"Story {i}: the cat sat on the mat and ran far away." for i in range(80)))
+    flags = ["--stream", "--kv-lora-rank", "16", "--calibration-blocks", "8", "--block-size", "32",
+             "--reconstruction-steps", "150", "--train-text", str(text), "--eval-documents", "4"]  # fmt: skip
+    straight = tmp_path / "straight"
+    subprocess.run([*EGMLA, "convert", str(source), "--out", str(straight), *flags], env=ENV, check=True)
+    out, work = tmp_path / "out", tmp_path / ".out.resume"
+    command = [*EGMLA, "convert", str(source), "--out", str(out), *flags]
+
+    assert kill_when(command, lambda: statistics_saved(work) >= 2)
+    assert not (work / "search.json").exists() and layers_streamed(work) == 0  # mid-way through the search
+    assert kill_when([*command, "--resume"], lambda: layers_streamed(work) >= 2)
+    assert (work / "search.json").exists() and 2 <= layers_streamed(work) < 6  # mid-way through the layers
+    reached = layers_streamed(work)
+    assert kill_when([*command, "--resume"], lambda: layers_streamed(work) > reached)
+    assert reached < layers_streamed(work) < 6 and not out.exists()
+    subprocess.run([*command, "--resume"], env=ENV, check=True)
+    assert not work.exists()
+    for shard in sorted(path.name for path in straight.glob("*.safetensors")):
+        expected, resumed = load_file(straight / shard), load_file(out / shard)
+        assert expected.keys() == resumed.keys()
+        for name, tensor in expected.items():
+            torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    reports = [json.loads((folder / "conversion_report.json").read_text()) for folder in (straight, out)]
+    assert reports[1]["perplexity"] == pytest.approx(reports[0]["perplexity"], rel=1e-5)
+    assert reports[1]["candidates"] == reports[0]["candidates"]
+    assert reports[1]["reconstruction"]["layers"] == reports[0]["reconstruction"]["layers"]

@@ -10,16 +10,16 @@ import torch
 from accelerate.utils import get_max_memory
 from transformers import PreTrainedModel
 
-from .source import attention_shape
-
 GB = 1e9
 RUNTIME_BYTES = int(1.0 * GB)  # Python, torch, transformers and the tokenizer, resident before any model
 # The process's allocator keeps freed blocks: what peaks is the live tensors and a share more.
 ALLOCATOR_OVERHEAD = 1.15
-# Per token, the values a decoder layer saves for its backward: its norms' inputs and outputs and the residual
-# stream (in units of the hidden size), its MLP's gate, up, activation and product (of the intermediate size), its
-# query, key, value and output heads (of heads x head size), and the attention weights (of heads x length).
-SAVED_HIDDEN, SAVED_INTERMEDIATE, SAVED_HEADS = 6, 4, 4
+# Per token, the values a decoder layer saves for its backward (counted on student layers with
+# `torch.autograd.graph.saved_tensors_hooks`, docs/results.md "The memory check against the measured peak"): the
+# residual stream and its norms' statistics in float32 (autocast keeps them there), the linear layers' inputs and the
+# attention's heads in the forward dtype (in units of the hidden size), the MLP's gate, up, activation and product (of
+# the intermediate size). CPU SDPA keeps no attention weights, only their log-sum-exp.
+SAVED_HIDDEN_FLOAT32, SAVED_HIDDEN, SAVED_INTERMEDIATE = 6, 8, 4
 # The distillation's logits per token: the student's and the teacher's (in the forward dtype), the gradient and its
 # scaled copy (float32).
 LOGIT_COPIES_FLOAT32 = 2
@@ -56,6 +56,15 @@ class MemoryEstimate:
         return self.runtime + int(ALLOCATOR_OVERHEAD * live)
 
 
+def saved_bytes_per_token(config, autocast_bf16: bool) -> int:
+    """What one decoder layer saves for its backward per token of a training batch."""
+    forward_bytes = 2 if autocast_bf16 else 4
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    return (
+        SAVED_HIDDEN_FLOAT32 * 4 * hidden + (SAVED_HIDDEN * hidden + SAVED_INTERMEDIATE * intermediate) * forward_bytes
+    )
+
+
 def activation_bytes(config, shape: MemoryShape) -> int:
     """The largest stage's activations: the recovery's (saved per layer, and the logits) or the samples' scoring."""
     vocab, layers = config.vocab_size, config.num_hidden_layers
@@ -64,14 +73,7 @@ def activation_bytes(config, shape: MemoryShape) -> int:
     if not tokens:
         return scoring
     forward_bytes = 2 if shape.autocast_bf16 else 4
-    head_size, heads = attention_shape(config).head_dim, config.num_attention_heads
-    per_token = (
-        SAVED_HIDDEN * config.hidden_size
-        + SAVED_INTERMEDIATE * config.intermediate_size
-        + SAVED_HEADS * heads * head_size
-        + heads * shape.recovery_block
-    )
-    saved = layers * tokens * per_token * forward_bytes
+    saved = layers * tokens * saved_bytes_per_token(config, shape.autocast_bf16)
     logits = tokens * vocab * (2 * forward_bytes + 4 * LOGIT_COPIES_FLOAT32)
     return max(scoring, saved + logits)
 

@@ -462,6 +462,7 @@ class ConversionJob:
     placement: Placement = Placement()  # the source's and the student's device and dtype (the output's dtype)
     resume: bool = False  # continue a killed run of the same job from its work folder
     force: bool = False  # run even where the memory estimate says it will not fit
+    stream: bool = False  # one layer in memory at a time (`run_streaming_conversion`)
 
     @property
     def work(self) -> Path:
@@ -469,8 +470,13 @@ class ConversionJob:
 
     @property
     def trains(self) -> bool:
-        """Whether a stage trains (the layer-wise fit, the recovery): what writes work to resume from."""
+        """Whether a stage trains (the layer-wise fit, the recovery)."""
         return self.finetune is not None or self.reconstruction.steps > 0
+
+    @property
+    def keeps_work(self) -> bool:
+        """Whether the job writes work to resume from: a stage that trains, or the streamed pass (each layer)."""
+        return self.trains or self.stream
 
     def __post_init__(self) -> None:
         if self.time_limit is not None:
@@ -654,7 +660,8 @@ def memory_shape(job: ConversionJob, text: TextData, source: torch.nn.Module) ->
     if settings is None:
         return MemoryShape(0, 0, False, text.bf16_scoring, samples)
     bf16 = uses_bf16(settings.mixed_precision, source.device, source.config.hidden_size)
-    return MemoryShape(settings.batch_size, text.recovery.shape[1], not settings.lora, bf16, samples)
+    batch = recovery_settings(settings, text).batch_size  # the blocks of a step, packed to the recovery's length
+    return MemoryShape(batch, text.recovery.shape[1], not settings.lora, bf16, samples)
 
 
 def kv_report(teacher: torch.nn.Module, student: torch.nn.Module, prompt: torch.Tensor) -> dict:
@@ -744,7 +751,7 @@ def work_folder(out: str | Path) -> Path:
 
 def job_description(job: "ConversionJob") -> dict:
     """What makes two runs the same job: a resumed run must not mix its work with another job's."""
-    fields = ("source", "options", "text", "reconstruction", "finetune", "placement")
+    fields = ("source", "options", "text", "reconstruction", "finetune", "placement", "stream")
     return json.loads(json.dumps({name: getattr(job, name) for name in fields}, default=json_default))
 
 
@@ -770,9 +777,9 @@ def check_resumable(job: "ConversionJob") -> None:
 
 def start_work(job: "ConversionJob") -> Path | None:
     """The job's work folder: kept as it is to resume it (checked when the job was built), else started empty; None
-    when no stage trains, so there is nothing to resume."""
+    when the job keeps no work, so there is nothing to resume."""
     work = job.work
-    if not job.trains:
+    if not job.keeps_work:
         return None
     if job.resume:
         return work

@@ -9,7 +9,8 @@ statistics it saved. The held-out documents move through each source layer and i
 
 import dataclasses
 import json
-import tempfile
+import os
+import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -27,7 +28,7 @@ from ..outputs import atomic_folder, check_output_folder
 from ..text import document_ids, token_blocks
 from ..training import uses_bf16
 from .calibration import source_layer_pass
-from .convert import Budget, ConversionOptions, ConversionPlan, factorize_layer, resolve_budget
+from .convert import ConversionOptions, ConversionPlan, factorize_layer, resolve_budget
 from .layer_stream import (
     SourceFiles,
     final_norm_and_head,
@@ -45,6 +46,7 @@ from .pipeline import (
     layer_wise_inputs,
     recovery_length,
     split_train_text,
+    start_work,
 )
 from .reconstruction import (
     LayerStreams,
@@ -58,6 +60,7 @@ from .report import print_report, write_model_card
 from .source import check_tokenizer, load_tokenizer, source_config
 from .stream_scoring import DocumentStreams, advance_documents, document_scores, document_streams
 from .stream_search import load_statistics, streamed_split_search
+from .stream_work import StreamWork
 from .timing import StageTimes
 
 
@@ -137,7 +140,9 @@ class StreamedText(NamedTuple):
 @dataclasses.dataclass
 class LayersWritten:
     """What the conversion's pass over the layers leaves: each layer's rope frequencies, the shards' weight map and
-    bytes, the layer-wise fit's rows, and the held-out documents' streams past the last layer (None: not scored)."""
+    bytes, the layer-wise fit's rows, and the held-out documents' streams past the last layer (None: not scored).
+    While it runs, also the streams entering layer `next_layer`: the calibration blocks' (where no statistics were
+    saved) and the layer-wise fit's; `progress` and `restore` carry them across a killed run."""
 
     frequencies: list = dataclasses.field(default_factory=list)
     weight_map: dict = dataclasses.field(default_factory=dict)
@@ -145,34 +150,58 @@ class LayersWritten:
     rows: list = dataclasses.field(default_factory=list)
     documents: DocumentStreams | None = None
     extra: dict[str, DocumentStreams] = dataclasses.field(default_factory=dict)
+    hidden: torch.Tensor | None = None
+    fitting: FittingStreams | None = None
+    next_layer: int = 0
+
+    def progress(self) -> dict:
+        """Tensors, lists and numbers only (`torch.load(weights_only=True)` reads them back)."""
+        streams = {"fitting": self.fitting, "documents": self.documents, **self.extra}
+        return {
+            **{name: getattr(self, name) for name in ("frequencies", "weight_map", "total", "rows", "hidden")},
+            "next_layer": self.next_layer,
+            "streams": {name: [each.source, each.student] for name, each in streams.items() if each is not None},
+        }
+
+    def restore(self, progress: dict) -> None:
+        for name in ("frequencies", "weight_map", "total", "rows", "hidden", "next_layer"):
+            setattr(self, name, progress[name])
+        streams = {"fitting": self.fitting, "documents": self.documents, **self.extra}
+        for name, (source, student) in progress["streams"].items():
+            streams[name].source, streams[name].student = source, student
 
 
-def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path, text, statistics_folder):
+def layer_by_layer(shell, files: SourceFiles, job, plan: ConversionPlan, work: StreamWork, text, statistics_folder):
     """Every layer read, calibrated on `text.blocks` (or its statistics read from `statistics_folder`, where the split
-    search saved them), factorized, fitted and written, the held-out documents moved past it: a `LayersWritten`."""
-    options, placement, context = job.options, job.placement, shell.config.max_position_embeddings
+    search saved them), factorized, fitted and written to `work`, the held-out documents moved past it: a
+    `LayersWritten`. A killed run's pass continues after its last finished layer."""
+    options, budget, placement = plan.options, plan.budget, job.placement
+    context = shell.config.max_position_embeddings
     embeddings = files.read("model.embed_tokens.")["weight"].to(placement.torch_dtype)
-    hidden = None if statistics_folder else torch.nn.functional.embedding(text.blocks, embeddings)
-    fitting = fitting_streams(text.blocks, embeddings, job, context)
     bf16 = uses_bf16(job.text.scoring_mixed_precision, placement.torch_device(), shell.config.hidden_size)
-    documents = document_streams(text.documents, embeddings, context, bf16) if text.documents else None
-    extra = {name: document_streams(ids, embeddings, context, bf16) for name, ids in text.extra.items() if ids}
-    written = LayersWritten(documents=documents, extra=extra)
+    written = LayersWritten(
+        documents=document_streams(text.documents, embeddings, context, bf16) if text.documents else None,
+        extra={name: document_streams(ids, embeddings, context, bf16) for name, ids in text.extra.items() if ids},
+        hidden=None if statistics_folder else torch.nn.functional.embedding(text.blocks, embeddings),
+        fitting=fitting_streams(text.blocks, embeddings, job, context),
+    )
+    if (progress := work.saved_progress()) is not None:
+        written.restore(progress)
     inv_freq = shell.model.rotary_emb.inv_freq.float().cpu()
-    plan = ConversionPlan(options, budget, [], [], [])  # the shape; the splits and factors come layer by layer
-    for layer_idx in tqdm(range(shell.config.num_hidden_layers), desc="streaming layers", unit="layer", leave=False):
+    layers = range(written.next_layer, shell.config.num_hidden_layers)
+    for layer_idx in tqdm(layers, desc="streaming layers", unit="layer", leave=False):
         layer = source_layer(shell, files, layer_idx, placement)
         rotary = shell.model.rotary_emb.to(layer.input_layernorm.weight.device)
         if statistics_folder:
             statistics = load_statistics(statistics_folder, layer_idx)
         else:
-            statistics, hidden = run_layer(layer, hidden, rotary)
+            statistics, written.hidden = run_layer(layer, written.hidden, rotary)
         split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, budget, options)
         state = student_layer_state(shell, layer, layer_idx, (split, factorization.truncate(budget.kv_lora_rank)), plan)
         written.frequencies.append(split.frequencies)
         config = layer_config(shell, options, budget, written.frequencies)
-        if fitting is not None:
-            state, row = fit_streamed_layer(layer, layer_idx, state, config, fitting, rotary)
+        if written.fitting is not None:
+            state, row = fit_streamed_layer(layer, layer_idx, state, config, written.fitting, rotary)
             written.rows.append(row)
         streams = [written.documents, *written.extra.values()] if written.documents is not None else []
         if streams:
@@ -180,7 +209,9 @@ def layer_by_layer(shell, files: SourceFiles, job, budget: Budget, staging: Path
             for documents in streams:
                 advance_documents(documents, layer, rotary, student, student_rotary)
         name = f"model-layer-{layer_idx:05d}.safetensors"
-        written.total += write_shard(staging, name, state, placement.torch_dtype, written.weight_map)
+        written.total += write_shard(work.shards, name, state, placement.torch_dtype, written.weight_map)
+        written.next_layer = layer_idx + 1
+        work.save_progress(written.progress())  # after the shard: a saved layer is always a written one
         del layer, state, split, factorization  # one layer at a time
     return written
 
@@ -209,8 +240,12 @@ def run_streaming_conversion(job) -> dict:
     blocks = calibration_blocks(job, tokenizer)  # refuses a job without text by name
     documents, eval_source, extra = held_out_documents(job, tokenizer, config.max_position_embeddings)
     text = StreamedText(blocks, documents, extra)
+    work = StreamWork(start_work(job))  # a killed run resumes from here with --resume
     with atomic_folder(job.out, job.overwrite, (str(folder),)) as staging:
-        job, budget, candidates, written = convert_layers(shell, files, job, staging, text, times)
+        plan, candidates, written = convert_layers(shell, files, job, work, text, times)
+        options, budget = plan.options, plan.budget
+        for name in sorted(set(written.weight_map.values())):
+            link_or_copy(work.shards / name, staging / name)  # kept in `work` until the output is saved
         with times.stage("embeddings and head"):
             outer = files.read("", outside_layers=True)
             written.total += write_shard(
@@ -225,12 +260,12 @@ def run_streaming_conversion(job) -> dict:
                 for text_name, streams in written.extra.items():
                     for model, value in document_scores(streams, norm, head, stage)["perplexity"].items():
                         scores["extra_perplexity"][model][text_name] = value
-        student_config = layer_config(shell, job.options, budget, written.frequencies)
+        student_config = layer_config(shell, options, budget, written.frequencies)
         save_config(student_config, staging, written.weight_map, written.total, job.placement.dtype)
         tokenizer.save_pretrained(staging)
         report = {
             "source": public_name(job.source),
-            "options": dataclasses.asdict(job.options),
+            "options": dataclasses.asdict(options),
             "budget": dataclasses.asdict(budget),
             "candidates": candidates,
             "streamed": True,
@@ -246,24 +281,36 @@ def run_streaming_conversion(job) -> dict:
         report["card"] = {**dataclasses.asdict(metadata), "model_name": Path(job.out).name,
                           "eval_dataset": held_out_dataset(job.text)}  # fmt: skip
         write_model_card(staging, report)
+    shutil.rmtree(work.folder, ignore_errors=True)  # saved: nothing left to resume
     print_report(report)
     form = f"{len(written.rows)} layers fitted" if written.rows else "closed form"
     print(f"\nstreamed {config.num_hidden_layers} layers into {job.out} ({report['seconds']} s, {form})")
     return report
 
 
-def convert_layers(shell, files: SourceFiles, job, staging: Path, text: StreamedText, times: StageTimes) -> tuple:
-    """The split search's pass where the split is left to it, then the conversion's: (the job with the chosen
-    options, their budget, the search's rows, the `LayersWritten`)."""
-    with tempfile.TemporaryDirectory(dir=staging, prefix=".statistics-") as saved:
+def convert_layers(shell, files: SourceFiles, job, work: StreamWork, text: StreamedText, times: StageTimes) -> tuple:
+    """The split search's pass where the split is left to it (unless a killed run finished it), then the
+    conversion's: (the plan's shape: the chosen options and their budget; the search's rows; the `LayersWritten`)."""
+    work.statistics.mkdir(parents=True, exist_ok=True)
+    work.shards.mkdir(parents=True, exist_ok=True)
+    searched = work.saved_search()
+    if searched is None:
         with times.stage("split search") if job.options.rope_split == "auto" else nullcontext():
-            options, candidates = streamed_split_search(shell, files, job, text.blocks, Path(saved))
-        job = dataclasses.replace(job, options=options)
-        budget = resolve_budget(shell.config, options)
-        with times.stage("layers"):
-            statistics = Path(saved) if candidates else None
-            written = layer_by_layer(shell, files, job, budget, staging, text, statistics)
-    return job, budget, candidates, written
+            searched = streamed_split_search(shell, files, job, text.blocks, work.statistics)
+        work.save_search(*searched)
+    options, candidates = searched
+    plan = ConversionPlan(options, resolve_budget(shell.config, options), [], [], [])  # splits come layer by layer
+    with times.stage("layers"):
+        written = layer_by_layer(shell, files, job, plan, work, text, work.statistics if candidates else None)
+    return plan, candidates, written
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """A hard link where the file system allows one (no second copy of a layer's weights), else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def save_config(config, staging: Path, weight_map: dict, total: int, dtype: str) -> None:
