@@ -5,7 +5,8 @@ On the CPU, absorbed modes run `AbsorbedAttention`: prompts and decodes alike as
 model having folded W^{UK} and W^{UV} into its projections. In bf16 and fp16 (`EGMLALatentKernelBackend`) vLLM's CPU
 latent-attention kernels (`decode_attention_cpu`, `extend_attention_cpu`, vendored from sglang) read the paged cache
 in place; they take widths that are multiples of 32, so the model pads the cache row with zero columns
-(`tail_padding`). In fp32, which those kernels lack (`EGMLACPUMLABackend`), PyTorch's SDPA. The gate on K/V and the
+(`tail_padding`). In fp32, which those kernels lack (`EGMLACPUMLABackend`), the plugin's own decode kernel reads the
+paged cache in place (`cpu_kernels`) and prompts attend by PyTorch's SDPA. The gate on K/V and the
 RoPE-exact latent run `RebuildingAttention`. On a GPU, vLLM's own MLA layer, with its MLA backends where the layout is
 DeepSeek's and this module's PyTorch decode elsewhere.
 """
@@ -20,6 +21,8 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionLayer, MultipleOf
 from vllm.v1.attention.backends.mla.amx_mla import AMXMLAMetadataBuilder
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+
+from .cpu_kernels import paged_latent_decode
 
 # The cache rows vLLM's own GPU MLA kernels take: a 64-wide rope key after a latent of 256, 448 or 512 (DeepSeek's
 # layouts; its MLA metadata checks the sum, 320, 512 or 576).
@@ -142,8 +145,8 @@ class EGMLACPUMLAImpl(CPUMLAImpl):
         [B, H, r]."""
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
-        attended = mqa_decode(q, kv_c_and_k_pe_cache, attn_metadata.decode, self.scale)
-        return attended[..., : self.kv_lora_rank].to(q.dtype), None
+        attended = mqa_decode(q, kv_c_and_k_pe_cache, attn_metadata.decode, self.scale, self.kv_lora_rank)
+        return attended.to(q.dtype), None
 
 
 class EGMLALatentKernelMetadataBuilder(EGMLAMLAMetadataBuilder, AMXMLAMetadataBuilder):
@@ -168,8 +171,9 @@ class AbsorbedAttention(MLAAttention):
     attends over its request's cached rows as one MQA: the query [T, H, D] = [q W^{UK} ; rope query ; zeros] meets
     rows [latent ; rope key ; zeros], whose first `value_width` columns are the values (the latent, then columns the
     output's projection gives zero weight). In bf16 and fp16 vLLM's CPU latent kernels read the paged cache in place
-    (`kernels`); in fp32 (which they lack) PyTorch's SDPA: prompts over their own new rows, decodes (and prompts
-    with cached context) over their requests' rows gathered from the cache. Returns the attended rows
+    (`kernels`); in fp32 (which they lack) decodes by the plugin's kernel reading the cache in place
+    (`mqa_decode`), prompts by PyTorch's SDPA over their own new rows (with cached context, over their requests'
+    rows gathered from the cache). Returns the attended rows
     [T, H * value_width].
     """
 
@@ -214,7 +218,7 @@ class AbsorbedAttention(MLAAttention):
         )  # fmt: skip
 
     def decode_torch(self, query, kv_cache, metadata, out) -> None:
-        out.copy_(mqa_decode(query, kv_cache, metadata.decode, self.scale)[..., : self.value_width])
+        out.copy_(mqa_decode(query, kv_cache, metadata.decode, self.scale, self.value_width))
 
     def prefill_torch(self, query, new_rows, kv_cache, metadata, out) -> None:
         """Prompts without cached context attend over their own new rows; with context, over their requests' rows
@@ -234,15 +238,20 @@ class AbsorbedAttention(MLAAttention):
         out.copy_(attended)
 
 
-def mqa_decode(query: torch.Tensor, kv_cache: torch.Tensor, decode, scale: float) -> torch.Tensor:
+def mqa_decode(query: torch.Tensor, kv_cache: torch.Tensor, decode, scale: float, value_width: int) -> torch.Tensor:
     """One new token per request, query [B, H, D], over its cached rows [latent ; tail] (keys, and values in their
-    first columns) gathered from the paged cache by its block table, the query heads as rows of one head: SDPA's
-    fused kernel reads the rows once. Returns [B, H, D]."""
+    first `value_width` columns). fp32 on the CPU: the plugin's kernel reads the rows in place from the paged cache
+    (`cpu_kernels`); elsewhere the rows are gathered by the block table and SDPA's fused kernel reads them once, the
+    query heads as rows of one head. Returns [B, H, value_width]."""
+    if query.dtype == kv_cache.dtype == torch.float32 and kv_cache.device.type == "cpu":
+        out = query.new_empty(*query.shape[:2], value_width)
+        if paged_latent_decode(query, kv_cache, decode.block_table, decode.seq_lens, scale, out):
+            return out
     rows, valid = request_rows(kv_cache, decode.block_table, decode.seq_lens.to(torch.long))  # [B, T, D], [B, T]
     attended = torch.nn.functional.scaled_dot_product_attention(
         query.to(rows.dtype)[:, None], rows[:, None], rows[:, None], attn_mask=valid[:, None, None], scale=scale
     )  # [B, 1, H, D]
-    return attended[:, 0]
+    return attended[:, 0, :, :value_width]
 
 
 def causal_mqa(query: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, scale: float) -> torch.Tensor:

@@ -360,6 +360,44 @@ def test_the_paged_attention_reads_each_requests_own_rows_past_nan_slots(vllm_py
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-4000:]
 
 
+# Run in the vLLM venv: the fp32 decode kernel (`cpu_kernels`, built here) reads each request's own rows in place from
+# a paged cache whose other slots hold NaN, across several of its chunks of 256 rows, as `mqa_decode` calls it.
+PAGED_KERNEL_CHECK = """
+from types import SimpleNamespace
+import torch
+from egmla_vllm.attention import mqa_decode
+from egmla_vllm.cpu_kernels import paged_latent_decode
+
+torch.manual_seed(0)
+block_size, width, values, heads = 16, 120, 90, 9
+cache = torch.full((200, block_size, width), float("nan"))
+seq_lens = torch.tensor([1, 37, 300, 700], dtype=torch.int32)
+block_table = torch.randperm(200)[:4 * 44].view(4, 44).to(torch.int32)
+for request, length in enumerate(seq_lens.tolist()):
+    for position in range(length):
+        cache[block_table[request, position // block_size], position % block_size] = torch.randn(width)
+query = torch.randn(4, heads, width)
+out = torch.empty(4, heads, values)
+assert paged_latent_decode(query, cache, block_table, seq_lens, 0.1, out)  # built, and it ran
+decoded = mqa_decode(query, cache, SimpleNamespace(block_table=block_table, seq_lens=seq_lens), 0.1, values)
+for request, length in enumerate(seq_lens.tolist()):
+    positions = torch.arange(length)
+    own = cache[block_table[request].long()[positions // block_size], positions % block_size]
+    expected = torch.softmax(query[request] @ own.T * 0.1, dim=-1) @ own[:, :values]
+    torch.testing.assert_close(out[request], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(decoded[request], expected, rtol=1e-5, atol=1e-5)
+print("OK")
+"""
+
+
+def test_the_fp32_decode_kernel_reads_each_requests_own_rows_in_place(vllm_python):
+    done = subprocess.run(
+        [vllm_python, "-c", PAGED_KERNEL_CHECK], capture_output=True, text=True, env={**os.environ, **VLLM_ENV},
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-4000:]
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -1,0 +1,45 @@
+"""The plugin's own CPU kernel, built by torch's `cpp_extension` on first use (cached in torch's extensions folder):
+the fp32 decode over the paged latent cache, which vLLM's CPU latent kernels (bf16, fp16) do not serve. Where it
+cannot be built (no compiler), `paged_latent_decode` returns None and the caller keeps its PyTorch path; a warning
+says so once."""
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("csrc") / "paged_latent_decode.cpp"
+
+
+@functools.cache
+def extension():
+    """The built module, or None where the build fails."""
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load(
+            name="egmla_vllm_cpu",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as error:  # noqa: BLE001 - any build failure: the PyTorch path serves instead
+        logger.warning(
+            "egmla_vllm: the fp32 paged latent decode kernel did not build (%s); using PyTorch's SDPA", error
+        )
+        return None
+
+
+def paged_latent_decode(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    out: torch.Tensor,
+) -> bool:  # fmt: skip
+    """query [B, H, D] (fp32) over each request's rows of the paged cache [blocks, block_size, D], read in place;
+    writes out [B, H, V], each row's first V columns its value. False where the kernel is not available."""
+    module = extension()
+    if module is None:
+        return False
+    module.paged_latent_decode(query.contiguous(), kv_cache, block_table, seq_lens, scale, out)
+    return True
