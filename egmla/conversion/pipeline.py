@@ -741,6 +741,7 @@ class FinetuneJob:
 
 
 JOB_FILE = "job.json"
+JOB_DEFAULTS = {"stream": False}
 
 
 def work_folder(out: str | Path) -> Path:
@@ -767,7 +768,8 @@ def check_resumable(job: "ConversionJob") -> None:
             "to start from the beginning."
         )
     saved, described = json.loads((job.work / JOB_FILE).read_text()), job_description(job)
-    changed = sorted(name for name in described if saved.get(name) != described[name])
+    # A work folder written before a field existed holds that field's default.
+    changed = sorted(name for name in described if saved.get(name, JOB_DEFAULTS.get(name)) != described[name])
     if changed:
         raise ValueError(
             f"--resume: the killed run in {job.work} was another job (its {', '.join(changed)} differ); give the same "

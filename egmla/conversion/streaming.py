@@ -156,19 +156,26 @@ class LayersWritten:
 
     def progress(self) -> dict:
         """Tensors, lists and numbers only (`torch.load(weights_only=True)` reads them back)."""
-        streams = {"fitting": self.fitting, "documents": self.documents, **self.extra}
         return {
             **{name: getattr(self, name) for name in ("frequencies", "weight_map", "total", "rows", "hidden")},
             "next_layer": self.next_layer,
-            "streams": {name: [each.source, each.student] for name, each in streams.items() if each is not None},
+            "fitting": both_streams(self.fitting),
+            "documents": both_streams(self.documents),
+            "extra": {name: both_streams(streams) for name, streams in self.extra.items()},
         }
 
     def restore(self, progress: dict) -> None:
         for name in ("frequencies", "weight_map", "total", "rows", "hidden", "next_layer"):
             setattr(self, name, progress[name])
-        streams = {"fitting": self.fitting, "documents": self.documents, **self.extra}
-        for name, (source, student) in progress["streams"].items():
-            streams[name].source, streams[name].student = source, student
+        saved = [(self.fitting, progress["fitting"]), (self.documents, progress["documents"])]
+        saved += [(streams, progress["extra"][name]) for name, streams in self.extra.items()]
+        for streams, pair in saved:
+            if streams is not None:
+                streams.source, streams.student = pair
+
+
+def both_streams(streams: FittingStreams | DocumentStreams | None) -> list | None:
+    return None if streams is None else [streams.source, streams.student]
 
 
 def layer_by_layer(shell, files: SourceFiles, job, plan: ConversionPlan, work: StreamWork, text, statistics_folder):
@@ -240,7 +247,7 @@ def run_streaming_conversion(job) -> dict:
     blocks = calibration_blocks(job, tokenizer)  # refuses a job without text by name
     documents, eval_source, extra = held_out_documents(job, tokenizer, config.max_position_embeddings)
     text = StreamedText(blocks, documents, extra)
-    work = StreamWork(start_work(job))  # a killed run resumes from here with --resume
+    work = StreamWork(start_work(dataclasses.replace(job, stream=True)))  # a killed run resumes from here
     with atomic_folder(job.out, job.overwrite, (str(folder),)) as staging:
         plan, candidates, written = convert_layers(shell, files, job, work, text, times)
         options, budget = plan.options, plan.budget
@@ -251,15 +258,9 @@ def run_streaming_conversion(job) -> dict:
             written.total += write_shard(
                 staging, "model-outer.safetensors", outer, job.placement.torch_dtype, written.weight_map
             )
-        scores, stage = {}, "layer-wise" if written.rows else "zero-shot"
-        if written.documents is not None:
-            with times.stage("scoring"):
-                norm, head = final_norm_and_head(shell, outer, job.placement.torch_device(), job.placement.torch_dtype)
-                scores = document_scores(written.documents, norm, head, stage)
-                scores["extra_perplexity"] = {"source": {}, stage: {}}
-                for text_name, streams in written.extra.items():
-                    for model, value in document_scores(streams, norm, head, stage)["perplexity"].items():
-                        scores["extra_perplexity"][model][text_name] = value
+        stage = "layer-wise" if written.rows else "zero-shot"
+        with times.stage("scoring") if written.documents is not None else nullcontext():
+            scores = streamed_scores(shell, outer, written, job.placement, stage)
         student_config = layer_config(shell, options, budget, written.frequencies)
         save_config(student_config, staging, written.weight_map, written.total, job.placement.dtype)
         tokenizer.save_pretrained(staging)
@@ -286,6 +287,19 @@ def run_streaming_conversion(job) -> dict:
     form = f"{len(written.rows)} layers fitted" if written.rows else "closed form"
     print(f"\nstreamed {config.num_hidden_layers} layers into {job.out} ({report['seconds']} s, {form})")
     return report
+
+
+def streamed_scores(shell, outer: dict, written: LayersWritten, placement, stage: str) -> dict:
+    """The held-out documents' scores from their streams past the last layer (none where they were not scored)."""
+    if written.documents is None:
+        return {}
+    norm, head = final_norm_and_head(shell, outer, placement.torch_device(), placement.torch_dtype)
+    scores = document_scores(written.documents, norm, head, stage)
+    scores["extra_perplexity"] = {"source": {}, stage: {}}
+    for text_name, streams in written.extra.items():
+        for model, value in document_scores(streams, norm, head, stage)["perplexity"].items():
+            scores["extra_perplexity"][model][text_name] = value
+    return scores
 
 
 def convert_layers(shell, files: SourceFiles, job, work: StreamWork, text: StreamedText, times: StageTimes) -> tuple:

@@ -4,13 +4,25 @@ cannot be built (no compiler), `paged_latent_decode` returns None and the caller
 says so once."""
 
 import functools
+import hashlib
 import logging
+import platform
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_latent_decode.cpp"
+
+
+def cpu_flags() -> str:
+    """A digest of this CPU's instruction sets: the build targets them (`-march=native`), so another CPU sharing
+    torch's extensions folder builds its own."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor() or platform.machine()
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
 @functools.cache
@@ -20,7 +32,7 @@ def extension():
 
     try:
         return load(
-            name="egmla_vllm_cpu",
+            name=f"egmla_vllm_cpu_{cpu_flags()}",
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

@@ -17,11 +17,11 @@ namespace {
 
 constexpr int64_t kChunk = 256;  // cached rows per work item: a chunk's rows stay in cache for the values' pass
 
-// e^x for x <= 0 in a form the compiler vectorizes (std::exp is a scalar call per score, the softmax's whole
-// cost otherwise): x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor series to r^7 (relative error below 2e-7),
-// 2^n written into the exponent's bits.
+// e^x for x <= 0 in a form the compiler vectorizes (std::exp is a scalar call per score, which would dominate the
+// softmax): x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor series to r^7 (within float's rounding), 2^n
+// written into the exponent's bits.
 inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);  // e^-87 is float's smallest normal; below it the weight is 0 to float's precision
+  x = std::max(x, -87.f);  // keeps 2^n a normal float; a weight this small is 0 beside the largest one's 1
   const float n = std::nearbyint(x * 1.44269504f);
   const float r = x - n * 0.693145752f - n * 1.42860677e-6f;  // ln 2 in two parts: r exact to float's precision
   float p = 1.f / 5040.f;
@@ -42,12 +42,18 @@ struct Layout {
   int64_t heads, width, values, block_size, block_stride, table_stride;
 };
 
+// One work item: rows [start, end) of a request whose block table row is `table`.
+struct Chunk {
+  const int64_t* table;
+  int64_t start, end;
+};
+
 // Rows [start, end) of one request: each head's max score, sum of exponentials and weighted values, written to
 // `partial` [heads, values + 2] as (values..., max, sum). The chunk's rows are copied next to each other (they stay
 // in cache) so that the scores and the values are two matrix products.
-void attend_chunk(const float* query, const float* cache, const int64_t* table, int64_t start, int64_t end,
-                  float scale, const Layout& layout, float* partial, std::vector<float>& buffer) {
-  const int64_t rows = end - start, heads = layout.heads, values = layout.values, width = layout.width;
+void attend_chunk(const float* query, const float* cache, const Chunk& chunk, float scale, const Layout& layout,
+                  float* partial, std::vector<float>& buffer) {
+  const int64_t rows = chunk.end - chunk.start, heads = layout.heads, values = layout.values, width = layout.width;
   if (rows == 0) {  // an empty request: no weight, no value
     for (int64_t h = 0; h < heads; ++h) {
       std::fill(partial + h * (values + 2), partial + h * (values + 2) + values, 0.f);
@@ -61,8 +67,8 @@ void attend_chunk(const float* query, const float* cache, const int64_t* table, 
   float* scores = gathered + rows * width;
   float* weighted = scores + heads * rows;
   for (int64_t t = 0; t < rows; ++t) {
-    const int64_t position = start + t;
-    const float* row = cache + table[position / layout.block_size] * layout.block_stride +
+    const int64_t position = chunk.start + t;
+    const float* row = cache + chunk.table[position / layout.block_size] * layout.block_stride +
                        (position % layout.block_size) * width;
     std::memcpy(gathered + t * width, row, width * sizeof(float));
   }
@@ -121,6 +127,12 @@ void paged_latent_decode(const at::Tensor& query, const at::Tensor& cache, const
               "paged_latent_decode: contiguous queries and cache rows");
   TORCH_CHECK(out.stride(2) == 1 && out.size(2) <= query.size(2) && cache.size(2) == query.size(2),
               "paged_latent_decode: output [B, H, V] with V <= D");
+  TORCH_CHECK(query.device().is_cpu() && cache.device().is_cpu() && out.device().is_cpu(), "paged_latent_decode: CPU");
+  TORCH_CHECK(block_table.dim() == 2 && seq_lens.dim() == 1 && block_table.size(0) == query.size(0) &&
+                  seq_lens.size(0) == query.size(0) && out.size(0) == query.size(0) && out.size(1) == query.size(1),
+              "paged_latent_decode: one block table row, length and output per request");
+  TORCH_CHECK(seq_lens.numel() == 0 || seq_lens.max().item<int64_t>() <= block_table.size(1) * cache.size(1),
+              "paged_latent_decode: a request longer than its block table");
   const auto table = block_table.to(at::kLong).contiguous();
   const auto lengths = seq_lens.to(at::kLong).contiguous();
   const int64_t requests = query.size(0);
@@ -139,8 +151,9 @@ void paged_latent_decode(const at::Tensor& query, const at::Tensor& cache, const
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       const int64_t r = std::upper_bound(first_chunk.begin(), first_chunk.end(), chunk) - first_chunk.begin() - 1;
       const int64_t start = (chunk - first_chunk[r]) * kChunk, stop = std::min(length[r], start + kChunk);
-      attend_chunk(query_data + r * layout.heads * layout.width, cache_data, table_data + r * layout.table_stride,
-                   start, stop, static_cast<float>(scale), layout, partials.data() + chunk * item, buffer);
+      const Chunk rows{table_data + r * layout.table_stride, start, stop};
+      attend_chunk(query_data + r * layout.heads * layout.width, cache_data, rows, static_cast<float>(scale), layout,
+                   partials.data() + chunk * item, buffer);
     }
   });
   float* out_data = out.data_ptr<float>();
