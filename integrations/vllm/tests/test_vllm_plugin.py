@@ -352,12 +352,16 @@ print("OK")
 """
 
 
-def test_the_paged_attention_reads_each_requests_own_rows_past_nan_slots(vllm_python):
+def run_check(vllm_python: str, script: str) -> None:
+    """`script` run by the vLLM venv's python; it prints OK at its end."""
     done = subprocess.run(
-        [vllm_python, "-c", PAGED_DECODE_CHECK], capture_output=True, text=True, env={**os.environ, **VLLM_ENV},
-        timeout=300,
-    )  # fmt: skip
+        [vllm_python, "-c", script], capture_output=True, text=True, env={**os.environ, **VLLM_ENV}, timeout=600
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-4000:]
+
+
+def test_the_paged_attention_reads_each_requests_own_rows_past_nan_slots(vllm_python):
+    run_check(vllm_python, PAGED_DECODE_CHECK)
 
 
 # Run in the vLLM venv: the fp32 decode kernel (`cpu_kernels`, built here) reads each request's own rows in place from
@@ -391,11 +395,7 @@ print("OK")
 
 
 def test_the_fp32_decode_kernel_reads_each_requests_own_rows_in_place(vllm_python):
-    done = subprocess.run(
-        [vllm_python, "-c", PAGED_KERNEL_CHECK], capture_output=True, text=True, env={**os.environ, **VLLM_ENV},
-        timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-4000:]
+    run_check(vllm_python, PAGED_KERNEL_CHECK)
 
 
 def free_port() -> int:
