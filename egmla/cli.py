@@ -28,7 +28,7 @@ from .conversion.reconstruction import ReconstructionSettings
 from .conversion.streaming import run_streaming_conversion
 from .data import smollm2_gguf
 from .options import Placement, add_fields, check_bounds
-from .outputs import report_json
+from .outputs import replace_atomically, report_json
 from .quickstart import QuickstartSettings, run_quickstart
 from .training import FinetuneSettings
 
@@ -219,9 +219,7 @@ def quickstart_command(args: argparse.Namespace) -> None:
 def write_json(path: Path, result: dict) -> None:
     """Whole or not at all: written beside and renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(path.name + ".partial")
-    staging.write_text(report_json(result))
-    staging.replace(path)
+    replace_atomically(path, lambda partial: partial.write_text(report_json(result)))
 
 
 def converted_bench(args: argparse.Namespace) -> "converted.ConvertedBench":

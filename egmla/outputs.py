@@ -8,7 +8,7 @@ import re
 import shutil
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -86,6 +86,13 @@ def process_alive(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
+
+
+def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(partial_path)`, then the partial file renamed over `path`: the file is whole or absent."""
+    partial = path.with_name(path.name + ".partial")
+    write(partial)
+    os.replace(partial, path)
 
 
 @contextmanager

@@ -11,7 +11,6 @@ closed-form weights.
 import contextlib
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, NamedTuple
@@ -24,6 +23,7 @@ from transformers import LlamaForCausalLM
 
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
 from ..options import check_fields, option
+from ..outputs import replace_atomically
 from ..training import MIXED_PRECISIONS, fitting_autocast
 from .calibration import source_layers
 
@@ -161,10 +161,8 @@ class FittedLayers:
 
     def save(self, block: "StudentBlock", row: dict) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.path(row["layer"])
-        staging = path.with_name(path.name + ".partial")
-        save_file(block_state(block), staging, metadata={"row": json.dumps(row)})
-        os.replace(staging, path)  # whole or absent
+        metadata = {"row": json.dumps(row)}
+        replace_atomically(self.path(row["layer"]), lambda path: save_file(block_state(block), path, metadata=metadata))
 
     def load(self, block: "StudentBlock", layer_idx: int) -> dict | None:
         """The layer's saved row, its block restored; None when it was not fitted yet."""

@@ -5,21 +5,14 @@ Each file is written whole or not at all, so a run killed at any moment resumes 
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import torch
 
+from ..outputs import replace_atomically
 from .convert import ConversionOptions
 
 SEARCH_FILE, PROGRESS_FILE = "search.json", "progress.pt"
-
-
-def replace_atomically(path: Path, write) -> None:
-    """`write(partial_path)`, then the partial file renamed over `path`: whole or absent."""
-    partial = path.with_name(path.name + ".partial")
-    write(partial)
-    os.replace(partial, path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -153,19 +153,20 @@ class LayersWritten:
     hidden: torch.Tensor | None = None
     fitting: FittingStreams | None = None
     next_layer: int = 0
+    # What a killed run's pass takes back as it was, beside the streams (`both_streams`).
+    CARRIED: ClassVar[tuple[str, ...]] = ("frequencies", "weight_map", "total", "rows", "hidden", "next_layer")
 
     def progress(self) -> dict:
         """Tensors, lists and numbers only (`torch.load(weights_only=True)` reads them back)."""
         return {
-            **{name: getattr(self, name) for name in ("frequencies", "weight_map", "total", "rows", "hidden")},
-            "next_layer": self.next_layer,
+            **{name: getattr(self, name) for name in self.CARRIED},
             "fitting": both_streams(self.fitting),
             "documents": both_streams(self.documents),
             "extra": {name: both_streams(streams) for name, streams in self.extra.items()},
         }
 
     def restore(self, progress: dict) -> None:
-        for name in ("frequencies", "weight_map", "total", "rows", "hidden", "next_layer"):
+        for name in self.CARRIED:
             setattr(self, name, progress[name])
         saved = [(self.fitting, progress["fitting"]), (self.documents, progress["documents"])]
         saved += [(streams, progress["extra"][name]) for name, streams in self.extra.items()]
