@@ -1,12 +1,12 @@
 """The plugin's attention over vLLM's paged latent cache, for the layouts vLLM's own MLA backends lack (on the CPU
 they take only a latent of 512 with a rope key of 64).
 
-On the CPU, absorbed modes run `AbsorbedAttention`: prompts and decodes alike as one MQA over the cached rows, the
-model having folded W^{UK} and W^{UV} into its projections. In bf16 and fp16 (`EGMLALatentKernelBackend`) vLLM's CPU
-latent-attention kernels (`decode_attention_cpu`, `extend_attention_cpu`, vendored from sglang) read the paged cache
-in place; they take widths that are multiples of 32, so the model pads the cache row with zero columns
-(`tail_padding`). In fp32, which those kernels lack (`EGMLACPUMLABackend`), the plugin's own decode kernel reads the
-paged cache in place (`cpu_kernels`) and prompts attend by PyTorch's SDPA. The gate on K/V and the
+On the CPU, absorbed modes run `AbsorbedAttention`, as DeepSeek's MLA: prompts expanded per head, decodes absorbed
+(W^{UK} into the query, W^{UV} after) as one MQA over the cached rows. In bf16 and fp16 (`EGMLALatentKernelBackend`)
+vLLM's CPU latent-attention kernels (`decode_attention_cpu`, `extend_attention_cpu`, vendored from sglang) run both,
+reading the paged cache in place; they take widths that are multiples of 32, so the model pads the cache row with
+zero columns (`tail_padding`). In fp32, which those kernels lack (`EGMLACPUMLABackend`), the plugin's own decode
+kernel reads the paged cache in place (`cpu_kernels`) and prompts attend by PyTorch's SDPA. The gate on K/V and the
 RoPE-exact latent run `RebuildingAttention`. On a GPU, vLLM's own MLA layer, with its MLA backends where the layout is
 DeepSeek's and this module's PyTorch decode elsewhere.
 """
@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from vllm import _custom_ops as ops
 from vllm.model_executor.layers.attention import MLAAttention
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, MLACommonMetadataBuilder
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionLayer, MultipleOf
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 from vllm.v1.attention.backends.mla.amx_mla import AMXMLAMetadataBuilder
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
@@ -166,40 +168,95 @@ class EGMLALatentKernelBackend(EGMLACPUMLABackend):
 
 
 class AbsorbedAttention(MLAAttention):
-    """vLLM's MLA layer (its cache spec and cache writes) on the CPU for queries the model has already absorbed:
-    W^{UK} is in the query's projection and W^{UV} in the output's, so every new token, in a prompt or a decode,
-    attends over its request's cached rows as one MQA: the query [T, H, D] = [q W^{UK} ; rope query ; zeros] meets
-    rows [latent ; rope key ; zeros], whose first `value_width` columns are the values (the latent, then columns the
-    output's projection gives zero weight). In bf16 and fp16 vLLM's CPU latent kernels read the paged cache in place
-    (`kernels`); in fp32 (which they lack) decodes by the plugin's kernel reading the cache in place
-    (`mqa_decode`), prompts by PyTorch's SDPA over their own new rows (with cached context, over their requests'
-    rows gathered from the cache). Returns the attended rows
-    [T, H * value_width].
+    """vLLM's MLA layer (its cache spec and cache writes) on the CPU, attending as DeepSeek's MLA does. Prompts
+    without cached context attend expanded, per head: keys [latent W^{UK} ; rope key] and values latent W^{UV} of
+    their own new tokens, the source model's attention (fewer products than the absorbed form when every key is
+    new). Decodes, and prompts after cached context, attend absorbed: the query [q_nope W^{UK} ; rope query] as one
+    MQA over the cached rows [latent ; rope key], whose first `value_width` columns are the values, the weighted
+    latents taken to values by W^{UV} after. In bf16 and fp16 vLLM's CPU latent kernels (`kernels`) run both, reading
+    the paged cache in place; in fp32, which they lack, decodes run the plugin's kernel (`mqa_decode`) and prompts
+    PyTorch's SDPA. Returns the attended values [T, H * dv].
     """
 
-    def __init__(self, value_width: int, kernels: bool, **kwargs):
+    def __init__(self, rope_width: int, kernels: bool, **kwargs):
         super().__init__(**kwargs)
-        self.value_width, self.kernels = value_width, kernels
+        self.rope_width, self.kernels = rope_width, kernels
+        # The value columns the absorbed attention writes: the latent's, rounded up where vLLM's kernels run.
+        self.value_width = latent_value_width(self.kv_lora_rank) if kernels else self.kv_lora_rank
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        """Nothing to split: the model folded W^{UKV} into its projections."""
+        """W^{UK} [H, dn, r] and W^{UV} [H, value_width, dv] (zero rows past the latent) for the absorbed products,
+        from W^{UKV} [H * (dn + dv), r]."""
+        weight = self.kv_b_proj.weight.detach().to(act_dtype)
+        up_keys, up_values = weight.view(self.num_heads, -1, weight.shape[-1]).split(
+            [self.qk_nope_head_dim, self.v_head_dim], dim=1
+        )
+        self.up_keys = up_keys.contiguous()
+        padding = (0, 0, 0, self.value_width - weight.shape[-1])
+        self.up_values = torch.nn.functional.pad(up_values.transpose(1, 2), padding).contiguous()
 
     def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, **kwargs) -> torch.Tensor:
+        """q [T, H, dn + rope tail] with each head's own nope query; writes output [T, H * dv]."""
         if attn_metadata is None:  # the profile run
             return output.fill_(0)
         tokens, decodes = attn_metadata.num_actual_tokens, attn_metadata.num_decode_tokens
-        attended = output[:tokens].view(tokens, self.num_heads, self.value_width)
+        attended = output[:tokens].view(tokens, self.num_heads, self.v_head_dim)
         if decodes:
-            decode = self.decode_kernel if self.kernels else self.decode_torch
-            decode(q[:decodes], kv_cache, attn_metadata, attended[:decodes])
+            attended[:decodes] = self.up_value(self.decode(self.absorb(q[:decodes]), kv_cache, attn_metadata))
         if tokens > decodes:  # the prompts' new tokens, causal, after their cached context if any
             new_rows = torch.cat([k_c_normed[decodes:tokens], k_pe[decodes:tokens, 0]], dim=-1)  # [N, D]
-            prefill = self.prefill_kernel if self.kernels else self.prefill_torch
-            prefill(q[decodes:tokens], new_rows, kv_cache, attn_metadata, attended[decodes:])
+            if attn_metadata.prefill.chunked_context is None:
+                attended[decodes:] = self.expanded_prefill(q[decodes:tokens], new_rows, attn_metadata)
+            else:
+                query = self.absorb(q[decodes:tokens])
+                attended[decodes:] = self.up_value(self.absorbed_prefill(query, new_rows, kv_cache, attn_metadata))
         return output
 
-    def decode_kernel(self, query, kv_cache, metadata, out) -> None:
+    def absorb(self, query: torch.Tensor) -> torch.Tensor:
+        """[N, H, dn + tail] -> [N, H, r + tail]: each head's nope query taken into the latent by its W^{UK}."""
+        nope = self.qk_nope_head_dim
+        latent_query = torch.bmm(query[..., :nope].transpose(0, 1), self.up_keys).transpose(0, 1)
+        return torch.cat([latent_query, query[..., nope:]], dim=-1)
+
+    def up_value(self, attended: torch.Tensor) -> torch.Tensor:
+        """Weighted latents [N, H, value_width] -> values [N, H, dv] by each head's W^{UV}."""
+        return torch.bmm(attended.transpose(0, 1), self.up_values).transpose(0, 1)
+
+    def expanded_prefill(self, query: torch.Tensor, new_rows: torch.Tensor, metadata) -> torch.Tensor:
+        """Prompts' queries [N, H, dn + tail] over their own new rows [N, r + tail], each head's keys and values
+        expanded from the latents. Returns [N, H, dv]."""
+        tokens, latent, nope = query.shape[0], self.kv_lora_rank, self.qk_nope_head_dim
+        key_nope, value = (
+            self.kv_b_proj(new_rows[:, :latent])[0].view(tokens, self.num_heads, -1).split([nope, self.v_head_dim], -1)
+        )
+        rope_key = new_rows[:, None, latent : latent + self.rope_width].expand(-1, self.num_heads, -1)
+        key, query = torch.cat([key_nope, rope_key], dim=-1), query[..., : nope + self.rope_width]
+        if self.kernels:  # widths in multiples of the kernels' alignment
+            key_width, value_width = latent_value_width(key.shape[-1]), latent_value_width(self.v_head_dim)
+        else:  # vLLM's CPU attention (and SDPA's fused CPU kernel) takes keys and values of one width
+            key_width = value_width = latent_value_width(max(key.shape[-1], self.v_head_dim))
+        query, key, value = (
+            pad_to(part, width).contiguous()
+            for part, width in ((query, key_width), (key, key_width), (value, value_width))
+        )
+        if not self.kernels:
+            starts = metadata.prefill.query_start_loc.to(torch.long)
+            return staged_causal_attention(query, key, value, starts, self.scale)[..., : self.v_head_dim]
+        prefill, out = metadata.prefill, value.new_empty(tokens, self.num_heads, value_width)
+        # No cached context: the kernel reads only the new keys and values, so they stand in for the cache too.
+        torch.ops._C.extend_attention_cpu(
+            query, key, value, out, key, value, prefill.req_to_token, prefill.req_pool_indices, prefill.cpu_seq_lens,
+            prefill.extend_seq_lens, prefill.extend_start_loc, prefill.max_len_extend, self.scale, 0.0, False, 0,
+            None, None, None,
+        )  # fmt: skip
+        return out[..., : self.v_head_dim]
+
+    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata) -> torch.Tensor:
+        """Absorbed queries [B, H, D], one per request, over its cached rows. Returns [B, H, value_width]."""
+        if not self.kernels:
+            return mqa_decode(query, kv_cache, metadata.decode, self.scale, self.value_width)
         decode, rows = metadata.decode, kv_cache.view(-1, 1, kv_cache.shape[-1])  # [slots, 1, D]
+        out = query.new_empty(*query.shape[:2], self.value_width)
         partials = torch.zeros(  # each head's partial sums and log-sum-exp per split of a long context
             query.shape[0], self.num_heads, decode.num_kv_splits, self.value_width + 1, dtype=torch.float32
         )
@@ -207,35 +264,33 @@ class AbsorbedAttention(MLAAttention):
             query, rows, rows[..., : self.value_width], out, None, None, None, partials, decode.req_to_token,
             decode.req_pool_indices, decode.seq_lens_i64, self.scale, 0.0, False, 0, None, None,
         )  # fmt: skip
+        return out
 
-    def prefill_kernel(self, query, new_rows, kv_cache, metadata, out) -> None:
-        prefill, rows = metadata.prefill, kv_cache.view(-1, 1, kv_cache.shape[-1])
-        new_rows = new_rows[:, None]
-        torch.ops._C.extend_attention_cpu(
-            query, new_rows, new_rows[..., : self.value_width], out, rows, rows[..., : self.value_width],
-            prefill.req_to_token, prefill.req_pool_indices, prefill.cpu_seq_lens, prefill.extend_seq_lens,
-            prefill.extend_start_loc, prefill.max_len_extend, self.scale, 0.0, False, 0, None, None, None,
-        )  # fmt: skip
-
-    def decode_torch(self, query, kv_cache, metadata, out) -> None:
-        out.copy_(mqa_decode(query, kv_cache, metadata.decode, self.scale, self.value_width))
-
-    def prefill_torch(self, query, new_rows, kv_cache, metadata, out) -> None:
-        """Prompts without cached context attend over their own new rows; with context, over their requests' rows
-        in the cache (which already hold the new ones)."""
+    def absorbed_prefill(self, query: torch.Tensor, new_rows: torch.Tensor, kv_cache: torch.Tensor, metadata):
+        """Prompts' absorbed queries [N, H, D] over their requests' cached rows, which already hold the new ones.
+        Returns [N, H, value_width]."""
+        if self.kernels:
+            prefill, rows, new_rows = metadata.prefill, kv_cache.view(-1, 1, kv_cache.shape[-1]), new_rows[:, None]
+            out = query.new_empty(*query.shape[:2], self.value_width)
+            torch.ops._C.extend_attention_cpu(
+                query, new_rows, new_rows[..., : self.value_width], out, rows, rows[..., : self.value_width],
+                prefill.req_to_token, prefill.req_pool_indices, prefill.cpu_seq_lens, prefill.extend_seq_lens,
+                prefill.extend_start_loc, prefill.max_len_extend, self.scale, 0.0, False, 0, None, None, None,
+            )  # fmt: skip
+            return out
         decodes = metadata.num_decodes
-        if metadata.prefill.chunked_context is None:
-            starts = metadata.prefill.query_start_loc.to(torch.long)
-            out.copy_(causal_mqa(query, new_rows, starts, self.scale)[..., : self.value_width])
-            return
         seq_lens = metadata.request_seq_lens[decodes:].to(torch.long)
         starts = metadata.request_query_start_loc[decodes:].to(torch.long)
         rows, valid = request_rows(kv_cache, metadata.request_block_table[decodes:], seq_lens)  # [R, T, D]
         key = rows[:, :, None]  # one key head
-        attended = attend_over_cache(
+        return attend_over_cache(
             query, key, key[..., : self.value_width], valid, seq_lens, starts - starts[0], self.scale
         )
-        out.copy_(attended)
+
+
+def pad_to(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero columns after the last dim's own up to `width` (zeros add nothing to a score or a weighted sum)."""
+    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1])) if tensor.shape[-1] < width else tensor
 
 
 def mqa_decode(query: torch.Tensor, kv_cache: torch.Tensor, decode, scale: float, value_width: int) -> torch.Tensor:
@@ -254,24 +309,65 @@ def mqa_decode(query: torch.Tensor, kv_cache: torch.Tensor, decode, scale: float
     return attended[:, 0, :, :value_width]
 
 
-def causal_mqa(query: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, scale: float) -> torch.Tensor:
-    """Each prompt's queries [N, H, D] over its own rows [N, D] (keys and values), causal: prompts of one length as
-    they are, others padded to the longest with a mask. Returns [N, H, D]."""
+# The block size of the scratch cache prompts' keys and values are staged through for vLLM's CPU attention.
+SCRATCH_BLOCK_SIZE = 32
+
+
+def staged_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Each prompt's queries [N, H, d] over its own keys and values [N, H, d] (d a multiple of 32), causal, by the
+    CPU attention kernel vLLM's own Llama runs, the keys and values staged through a scratch paged cache as vLLM
+    stages encoder attention; by SDPA (`causal_attention`) where this vLLM lacks the kernel. Returns [N, H, d]."""
+    if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
+        return causal_attention(query, key, value, starts, scale)
+    tokens, heads, width = key.shape
     lengths = starts[1:] - starts[:-1]
+    blocks = -(-lengths // SCRATCH_BLOCK_SIZE)  # each request's own, one after another
+    first_block = torch.cumsum(blocks, 0) - blocks
+    block_table = first_block[:, None] + torch.arange(int(blocks.max()))[None]  # past a request's own: never read
+    request = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    slots = first_block[request] * SCRATCH_BLOCK_SIZE + torch.arange(tokens) - starts[request]
+    cache = key.new_zeros(int(blocks.sum()), heads, 2 * SCRATCH_BLOCK_SIZE, width)  # as vLLM: a block is read whole
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    isa = _get_attn_isa(key.dtype, SCRATCH_BLOCK_SIZE, width)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    starts, lengths = starts.to(torch.int32), lengths.to(torch.int32)
+    schedule = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(lengths), num_heads=heads, num_kv_heads=heads, head_dim=width, seq_lens=lengths,
+        dtype=key.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
+    )  # fmt: skip
+    out = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
+        seq_lens=lengths, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=block_table.to(torch.int32), softcap=0.0, scheduler_metadata=schedule, s_aux=None,
+    )  # fmt: skip
+    return out
+
+
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Each prompt's queries [N, H, d] over its own keys and values [N, Hkv, d], causal: prompts of one length as
+    they are, others padded to the longest with a mask. Returns [N, H, d]."""
+    lengths = starts[1:] - starts[:-1]
+    gqa = key.shape[1] != query.shape[1]
     if bool((lengths == lengths[0]).all()):
-        query, rows = query.view(len(lengths), -1, *query.shape[1:]), rows.view(len(lengths), -1, 1, rows.shape[-1])
+        query, key, value = (
+            part.view(len(lengths), -1, *part.shape[1:]).transpose(1, 2) for part in (query, key, value)
+        )
         attended = torch.nn.functional.scaled_dot_product_attention(
-            query.transpose(1, 2), rows.transpose(1, 2), rows.transpose(1, 2), is_causal=True, scale=scale,
-            enable_gqa=True,
-        )  # fmt: skip
+            query, key, value, is_causal=True, scale=scale, enable_gqa=gqa
+        )
         return attended.transpose(1, 2).flatten(0, 1)
-    padded, request, place = padded_queries(query, starts)  # [R, S, H, D]
-    rows = padded_queries(rows[:, None], starts)[0]  # [R, S, 1, D]
+    padded, request, place = padded_queries(query, starts)  # [R, S, H, d]
+    key, value = (padded_queries(part, starts)[0] for part in (key, value))  # [R, S, Hkv, d]
     positions = torch.arange(padded.shape[1], device=query.device)
     mask = (positions[None, None, :] <= positions[None, :, None]) & (positions[None, None, :] < lengths[:, None, None])
     attended = torch.nn.functional.scaled_dot_product_attention(
-        padded.transpose(1, 2), rows.transpose(1, 2), rows.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
-        enable_gqa=True,
+        padded.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
+        enable_gqa=gqa,
     )  # fmt: skip
     return attended.transpose(1, 2)[request, place]
 

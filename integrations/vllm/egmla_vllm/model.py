@@ -16,7 +16,7 @@ from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import MLAAttention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -30,7 +30,6 @@ from .attention import (
     RebuildingAttention,
     latent_backend,
     latent_kernels,
-    latent_value_width,
     tail_padding,
 )
 from .config import EGMLAConfig
@@ -86,8 +85,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class EGMLAAttention(nn.Module):
     """egmla's attention with the latent handed to vLLM's MLA layer.
 
-    Gate off or on the latent: on the CPU `AbsorbedAttention` over projections that absorb W^{UK} and W^{UV}, on a
-    GPU vLLM's `MLAAttention` (expanded prefill, absorbed decode). With `rope_key_heads`
+    Gate off or on the latent: expanded prompts and absorbed decodes, on the CPU by `AbsorbedAttention`, on a GPU by
+    vLLM's `MLAAttention`; the checkpoint's projections are used as they are. With `rope_key_heads`
     Hr > 1 the cached rope key is all Hr rope keys side by side (Hr * dr values), and each query head's rope query
     sits in its group's slot of an Hr * dr query (zeros elsewhere): the score is exact. Per-layer latent widths are
     zero-padded to the widest (W^{UKV} padded with zero columns): exact too. Where vLLM's CPU latent kernels serve
@@ -124,32 +123,21 @@ class EGMLAAttention(nn.Module):
         # The model's own modules, shared (their parameters keep the model's names: registered there first).
         self.gate_table, self.rotary = gate_table, rotary
         dtype = get_current_vllm_config().model_config.dtype
-        # On the CPU, W^{UK} is folded into the query's projection and W^{UV} into the output's at load
-        # (`absorb_weights`): each query head is [q W^{UK} (r) ; rope query], the output reads every head's attended
-        # latent (`AbsorbedAttention`). On a GPU, vLLM's MLA layer absorbs them itself.
+        # On the CPU, `AbsorbedAttention` (prompts expanded per head, decodes absorbed into the query); on a GPU,
+        # vLLM's MLA layer. Either takes the checkpoint's projections as they are.
         self.absorbed = self.absorbs and current_platform.is_cpu()
-        self.query_nope_dim = self.latent_width if self.absorbed else self.nope_dim
-        head_width = self.query_nope_dim + self.rope_dim
-        # Absorbed without a low-rank query, the query's and the latent's projections are one product (`q_proj`).
-        self.fused_latent = self.absorbed and self.q_lora_rank is None
         self.latent_proj_width = self.kv_lora_rank + self.rope_width
-        if self.q_lora_rank is None:
-            self.q_proj = ReplicatedLinear(
-                config.hidden_size, self.num_heads * head_width + (self.latent_proj_width if self.fused_latent else 0),
-                bias=config.attention_bias, prefix=f"{prefix}.q_proj",
-            )  # fmt: skip
-        else:
-            self.q_a_proj = ReplicatedLinear(
-                config.hidden_size, self.q_lora_rank, bias=config.attention_bias, prefix=f"{prefix}.q_a_proj"
-            )
+        # The query's (or its low-rank down) projection and the latent's are one product of the hidden states.
+        query_width = self.num_heads * (self.nope_dim + self.rope_dim) if self.q_lora_rank is None else self.q_lora_rank
+        self.fused_qkv_a_proj = MergedColumnParallelLinear(
+            config.hidden_size, [query_width, self.latent_proj_width], bias=config.attention_bias,
+            prefix=f"{prefix}.fused_qkv_a_proj",
+        )  # fmt: skip
+        if self.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
             self.q_b_proj = ReplicatedLinear(
-                self.q_lora_rank, self.num_heads * head_width, bias=False, prefix=f"{prefix}.q_b_proj"
-            )
-        if not self.fused_latent:
-            self.kv_a_proj_with_mqa = ReplicatedLinear(
-                config.hidden_size, self.latent_proj_width, bias=config.attention_bias,
-                prefix=f"{prefix}.kv_a_proj_with_mqa",
+                self.q_lora_rank, self.num_heads * (self.nope_dim + self.rope_dim), bias=False,
+                prefix=f"{prefix}.q_b_proj",
             )  # fmt: skip
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_latent_norm else None
         kv_width = self.rebuilt_key_dim + self.value_dim
@@ -157,15 +145,9 @@ class EGMLAAttention(nn.Module):
         self.kv_b_proj = ReplicatedLinear(
             self.latent_width, self.key_heads * kv_width, bias=False, prefix=f"{prefix}.kv_b_proj"
         )
-        # Absorbed: the output's projection reads every head's attended row, its columns past the latent zero-weighted
-        # (vLLM's CPU latent kernels write whole multiples of 32).
-        self.attended_width = self.value_dim
-        if self.absorbed:
-            self.attended_width = latent_value_width(self.latent_width) if latent_kernels(dtype) else self.latent_width
         self.o_proj = ReplicatedLinear(
-            self.num_heads * self.attended_width, config.hidden_size, bias=config.attention_bias,
-            prefix=f"{prefix}.o_proj",
-        )  # fmt: skip
+            self.num_heads * self.value_dim, config.hidden_size, bias=config.attention_bias, prefix=f"{prefix}.o_proj"
+        )
         self.gate_embedding_proj = self.gate_norm = None
         if config.gate_enabled:  # W^{UE} onto the latent, or onto every head's keys and values
             gated_width = self.key_heads * kv_width if self.caches_token_ids else self.kv_lora_rank
@@ -194,51 +176,8 @@ class EGMLAAttention(nn.Module):
             up_values = None if self.caches_token_ids else self.up_values
             return RebuildingAttention(self.rebuild, up_values, **layer)
         if self.absorbed:
-            return AbsorbedAttention(self.attended_width, latent_kernels(dtype), **layer)
+            return AbsorbedAttention(self.rope_width, latent_kernels(dtype), **layer)
         return MLAAttention(**layer)
-
-    def absorb_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The checkpoint's query projection ("query", "query_bias"), W^{UKV} per query head at the cache's latent
-        width ("up"), output projection ("output") and, where fused, the latent's projection ("latent",
-        "latent_bias") -> the absorbed projections, in fp32 (exact up to the dtype's rounding): the query's rows
-        [H, r + dr] = [W^{UK}ᵀ W_nope ; W_rope] per head (then the latent's rows), the output [hidden, H * attended]
-        = W_o W^{UV} per head (zero columns past the latent)."""
-        heads, nope, rope = self.num_heads, self.nope_dim, self.rope_dim
-        up = weights["up"].float().view(heads, nope + self.value_dim, -1)
-        up_keys, up_values = up.split([nope, self.value_dim], dim=1)  # [H, dn, r], [H, dv, r]
-        query = weights["query"].float().view(heads, nope + rope, -1)
-        query = torch.cat([torch.einsum("hdr,hdi->hri", up_keys, query[:, :nope]), query[:, nope:]], dim=1)
-        latent = [weights["latent"].float()] if "latent" in weights else []
-        absorbed = {"query": torch.cat([query.flatten(0, 1), *latent])}
-        if "query_bias" in weights:
-            bias = weights["query_bias"].float().view(heads, nope + rope)
-            bias = torch.cat([torch.einsum("hdr,hd->hr", up_keys, bias[:, :nope]), bias[:, nope:]], dim=1)
-            latent_bias = [weights["latent_bias"].float()] if "latent_bias" in weights else []
-            absorbed["query_bias"] = torch.cat([bias.flatten(), *latent_bias])
-        output = torch.einsum("ohv,hvr->ohr", weights["output"].float().view(-1, heads, self.value_dim), up_values)
-        absorbed["output"] = nn.functional.pad(output, (0, self.attended_width - output.shape[-1])).flatten(1)
-        return absorbed
-
-    @property
-    def absorbed_parts(self) -> dict[str, str]:
-        """Which of this layer's checkpoint weights `absorb_weights` takes, by their names here."""
-        if not self.absorbed:
-            return {}
-        latent = {"kv_a_proj_with_mqa.weight": "latent", "kv_a_proj_with_mqa.bias": "latent_bias"}
-        return ABSORBED_PARTS | (latent if self.fused_latent else {})
-
-    def load_absorbed(self, weights: dict[str, torch.Tensor]) -> None:
-        """Loads the projections `absorb_weights` builds from the checkpoint's `weights`."""
-        query = self.q_proj if self.q_lora_rank is None else self.q_b_proj
-        targets = {"query": query.weight, "query_bias": query.bias, "output": self.o_proj.weight}
-        for name, weight in self.absorb_weights(weights).items():
-            param = targets[name]
-            getattr(param, "weight_loader", default_weight_loader)(param, weight.to(param.dtype))
-
-    def project_query(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.q_lora_rank is None:
-            return self.q_proj(hidden_states)[0]
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)[0]))[0]
 
     def latent(self, kv_latent: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """The latent [T, r] as egmla caches it (normed; gated and normed again for the gate on the latent),
@@ -314,12 +253,12 @@ class EGMLAAttention(nn.Module):
     ) -> torch.Tensor:
         """rotary: this layer's cos, sin [T, Hr, 1, dr] (`EGMLAModel.layer_rotary`)."""
         tokens = hidden_states.shape[0]
-        heads, rope_heads, rope_dim = self.num_heads, self.rope_key_heads, self.rope_dim
-        nope = self.query_nope_dim
-        if self.fused_latent:
-            query, latent = self.q_proj(hidden_states)[0].split([heads * (nope + rope_dim), self.latent_proj_width], -1)
-        else:
-            query, latent = self.project_query(hidden_states), self.kv_a_proj_with_mqa(hidden_states)[0]
+        heads, rope_heads, rope_dim, nope = self.num_heads, self.rope_key_heads, self.rope_dim, self.nope_dim
+        query, latent = self.fused_qkv_a_proj(hidden_states)[0].split(
+            [self.fused_qkv_a_proj.output_sizes[0], self.latent_proj_width], dim=-1
+        )
+        if self.q_lora_rank is not None:
+            query = self.q_b_proj(self.q_a_layernorm(query.contiguous()))[0]
         query = query.view(tokens, heads, nope + rope_dim)
         kv_latent, rope_key = latent.split([self.kv_lora_rank, self.rope_width], dim=-1)
         cos, sin = rotary
@@ -340,16 +279,9 @@ class EGMLAAttention(nn.Module):
             query_rope, rope_key = nn.functional.pad(query_rope, padding), nn.functional.pad(rope_key, padding)
         query = torch.cat([query[..., :nope], query_rope], dim=-1)
         output = self.attn(
-            query, self.latent(kv_latent, input_ids), rope_key, output_shape=(tokens, heads * self.attended_width)
+            query, self.latent(kv_latent, input_ids), rope_key, output_shape=(tokens, heads * self.value_dim)
         )
         return self.o_proj(output)[0]
-
-
-# A layer's checkpoint weights that its absorbed projections are built from (`EGMLAAttention.absorb_weights`).
-ABSORBED_PARTS = {
-    "q_proj.weight": "query", "q_b_proj.weight": "query", "q_proj.bias": "query_bias", "o_proj.weight": "output",
-    "kv_b_proj.weight": "up",
-}  # fmt: skip
 
 
 def per_query_head(weight: torch.Tensor, config: EGMLAConfig) -> torch.Tensor:
@@ -463,31 +395,30 @@ class EGMLAForCausalLM(nn.Module):
         return weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The egmla checkpoint's names as they are; gate_proj/up_proj go into vLLM's merged gate_up_proj; where a
-        layer absorbs W^{UKV} into its projections, their checkpoint weights are gathered and absorbed at the end."""
+        """The egmla checkpoint's names as they are, but the projections vLLM merges (`MERGED_SHARDS`), loaded as
+        shards of the merged one."""
         params = dict(self.named_parameters())
-        loaded, absorbed = set(), {}
+        loaded = set()
         for name, weight in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            for shard_id, source in enumerate(("gate_proj", "up_proj")):
-                if f".mlp.{source}." in name:
-                    name = name.replace(f".mlp.{source}.", ".mlp.gate_up_proj.")
+            for source, (merged, shard_id) in MERGED_SHARDS.items():
+                if source in name:
+                    name = name.replace(source, merged)
                     params[name].weight_loader(params[name], weight, shard_id)
-                    loaded.add(name)
                     break
             else:
-                loaded.add(name)
                 if name.endswith("kv_b_proj.weight"):
                     weight = self.up_weight(weight, params[name])
-                layer, _, part = name.partition(".self_attn.")
-                attention = self.get_submodule(f"{layer}.self_attn") if part else None
-                if attention is not None and part in attention.absorbed_parts:
-                    absorbed.setdefault(attention, {})[attention.absorbed_parts[part]] = weight
-                    if part != "kv_b_proj.weight":
-                        continue
                 param = params[name]
                 getattr(param, "weight_loader", default_weight_loader)(param, weight)
-        for attention, parts in absorbed.items():
-            attention.load_absorbed(parts)
+            loaded.add(name)
         return loaded
+
+
+# The checkpoint's projections that share one product here: the merged projection's name and the shard each fills.
+MERGED_SHARDS = {
+    ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0), ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+    ".self_attn.q_proj.": (".self_attn.fused_qkv_a_proj.", 0), ".self_attn.q_a_proj.": (".self_attn.fused_qkv_a_proj.", 0),
+    ".self_attn.kv_a_proj_with_mqa.": (".self_attn.fused_qkv_a_proj.", 1),
+}  # fmt: skip

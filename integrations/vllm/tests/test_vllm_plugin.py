@@ -269,8 +269,8 @@ def test_bfloat16_serving_stays_near_float32(served, name):
 
 def test_bfloat16_long_prompts_over_many_blocks_stay_near_float32(served):
     """A 150-token prompt and a second one over 16-token blocks in bf16, through vLLM's CPU latent kernels (the
-    prefill absorbed over the paged cache, the row padded from 26 to 32 values): transformers' logprobs within
-    bfloat16's rounding."""
+    prefill expanded per head, the decode over the paged cache, the row padded from 26 to 32 values): transformers'
+    logprobs within bfloat16's rounding."""
     result, model, prompts = result_of(served, "long-bfloat16/gate-off-odd-widths")
     assert_logprobs_agree(model, prompts, result, tolerance=0.15)
     assert result["kv_bytes_per_token"] == expected_kv_bytes(model.config, "bfloat16")
@@ -299,9 +299,9 @@ def test_a_converted_qwen2_gives_transformers_greedy_tokens(served, name):
     assert_logprobs_agree(student, prompts, result)
 
 
-def test_a_converted_qwen2_in_bfloat16_keeps_its_biases_through_the_absorbed_projections(served):
-    """In bf16 the query's projection absorbs W^{UK} (its bias too) and the output's W^{UV}: the logprobs stay
-    within bfloat16's rounding of transformers' float32 ones."""
+def test_a_converted_qwen2_in_bfloat16_keeps_its_biases(served):
+    """In bf16 the query's bias (taken into the latent with the query by W^{UK} at each decode), the latent's and
+    the output's: the logprobs stay within bfloat16's rounding of transformers' float32 ones."""
     result, student, prompts = result_of(served, "bfloat16/qwen2-shared")
     assert_logprobs_agree(student, prompts, result, tolerance=0.15)
 
@@ -396,6 +396,10 @@ print("OK")
 
 def test_the_fp32_decode_kernel_reads_each_requests_own_rows_in_place(vllm_python):
     run_check(vllm_python, PAGED_KERNEL_CHECK)
+
+
+def test_the_absorbed_attention_equals_the_expanded_one_in_every_path(vllm_python):
+    run_check(vllm_python, (Path(__file__).parent / "absorbed_attention_check.py").read_text())
 
 
 def free_port() -> int:
