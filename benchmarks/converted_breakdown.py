@@ -18,7 +18,7 @@ from collections import defaultdict
 import torch
 
 from egmla.bench.converted import CELLS, ConvertedBench, load_models, prefilled, text_rows
-from egmla.bench.decode import DecodeState
+from egmla.measure import DecodeState
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
 ROWS = ("attention projections", "attention core", "MLP", "norms", "embedding", "output head", "rest of the step")

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from egmla.bench.decode import decode_state
 from egmla.bench.models import build, paper_dims
+from egmla.measure import decode_state
 from egmla.modeling_egmla import gate_norm_scale
 
 

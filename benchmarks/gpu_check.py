@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmar
 from conversion_scale import SHAPES, make_source  # noqa: E402
 
 from egmla import EGMLAConfig, EGMLAForCausalLM, cache_nbytes  # noqa: E402
-from egmla.bench.decode import decode_state, median_ms  # noqa: E402
 from egmla.bench.train import TrainBench, model_config  # noqa: E402
 from egmla.conversion.convert import ConversionOptions, ConversionPlan, resolve_budget, student_config  # noqa: E402
 from egmla.data import EXCERPT, TOKENIZER  # noqa: E402
+from egmla.measure import decode_state, median_ms  # noqa: E402
 from egmla.text import loss_and_accuracy, read_documents, split_documents, token_blocks  # noqa: E402
 from egmla.training import FinetuneSettings, finetune  # noqa: E402
 

@@ -148,7 +148,8 @@ def test_import_egmla_is_light_and_the_auto_classes_load_the_model_when_used(tmp
 
 def test_the_package_has_no_import_cycle():
     """Every relative import in egmla/, at any depth of a module (a function-level import too), points down: the
-    conversion is one way (plan -> search -> convert), the kernels take what the model hands them."""
+    conversion is one way (plan -> search -> convert), the kernels take what the model hands them, and nothing but
+    the bench command imports the bench command."""
     import ast
     from pathlib import Path
 
@@ -181,3 +182,6 @@ def test_the_package_has_no_import_cycle():
         graph[name] -= packages
     cycles = [cycle for name in graph if (cycle := cycle_from(name, [name]))]
     assert not cycles, cycles[0]
+    # The library never depends on the `egmla bench` command (it measures the library, not the other way).
+    upward = {name: sorted(i for i in imported if i.startswith("egmla.bench")) for name, imported in graph.items()}
+    assert not {name: i for name, i in upward.items() if i and not name.startswith("egmla.bench")}

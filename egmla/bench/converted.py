@@ -18,10 +18,11 @@ from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from ..conversion.source import load_llama, load_tokenizer
 from ..data import EXCERPT
+from ..measure import DecodeState, median_ms
 from ..modeling_egmla import cache_nbytes
 from ..options import Placement
 from ..text import read_documents, token_blocks
-from .decode import DecodeState, median_ms, ratio_grid
+from .decode import ratio_grid
 
 CELLS = ((1, 512), (1, 2048), (8, 2048), (8, 4096))
 

@@ -8,14 +8,9 @@ prefill: a decode step costs the same whatever the cache holds, and a 12-layer p
 minutes per model on two cores.
 """
 
-import statistics
-import time
-from dataclasses import dataclass
-
 import torch
-from transformers import DynamicCache, StaticCache
 
-from ..measure import cache_bytes_per_token
+from ..measure import cache_bytes_per_token, decode_state, median_ms
 from .models import LABELS, build, paper_dims
 
 # (column, model, cache): every model on its default path, and compiled over a static cache.
@@ -37,74 +32,6 @@ def column_label(column: str) -> str:
     if column.endswith("-static"):
         return LABELS[column.removesuffix("-static")] + ", compiled static"
     return LABELS[column]
-
-
-@torch.no_grad()
-def filled_cache(model: torch.nn.Module, cache_kind: str, batch_size: int, context: int, seed: int):
-    """A cache holding `context` random positions per layer, shaped as the model's own (learned from a 2-token
-    forward), with random token ids where the model keeps them."""
-    device = model.device  # drawn where the cache lives: an accelerator's caches can exceed the host's memory
-    generator = torch.Generator(device=device).manual_seed(seed)
-    ids = torch.randint(0, min(100, model.config.vocab_size), (batch_size, 2), generator=generator, device=device)
-    probe = model(ids, use_cache=True).cache
-    if cache_kind == "static":
-        cache = StaticCache(config=model.config, max_cache_len=context + 8)
-    else:
-        cache = DynamicCache(config=model.config)
-    per_token = getattr(cache.layers[0], "append_per_token", None)
-    if per_token is not None and probe.layers[0].token_ids is not None:
-        ids = torch.randint(0, model.config.vocab_size, (batch_size, context), generator=generator, device=device)
-        per_token("token_ids", ids)
-    if per_token is not None and probe.layers[0].positions is not None:  # rebuilt keys turn by their positions
-        per_token("positions", torch.arange(context, device=device).expand(batch_size, context))
-    for layer_idx, layer in enumerate(probe.layers):
-        keys, values = (
-            torch.randn(*part.shape[:2], context, part.shape[-1], generator=generator, device=device, dtype=part.dtype)
-            for part in (layer.keys, layer.values)
-        )
-        cache.update(keys, values, layer_idx)
-    return cache
-
-
-@dataclass
-class DecodeState:
-    """A model, its filled cache and the forward to time; `step()` decodes one token at the context's end and crops
-    the cache back, so every timed step sees the same context."""
-
-    forward: object
-    cache: object
-    token: torch.Tensor
-    position: torch.Tensor
-
-    def step(self) -> None:
-        self.forward(self.token, cache=self.cache, position_ids=self.position, use_cache=True)
-        self.cache.crop(-1)
-
-
-def decode_state(model: torch.nn.Module, cache_kind: str, batch_size: int, context: int) -> DecodeState:
-    cache = filled_cache(model, cache_kind, batch_size, context, seed=context + batch_size)
-    forward = torch.compile(model.forward, dynamic=False) if cache_kind == "static" else model.forward
-    token = torch.randint(0, model.config.vocab_size, (batch_size, 1), generator=torch.Generator().manual_seed(1))
-    return DecodeState(
-        forward, cache, token.to(model.device), torch.full((batch_size, 1), context, device=model.device)
-    )
-
-
-def median_ms(states: dict[str, DecodeState], repetitions: int, steps: int) -> dict[str, float]:
-    """Interleaved: every repetition times each model in turn (the machine is shared and noisy)."""
-    for state in states.values():
-        for _ in range(2):  # warm-up: compiles the static graphs (and the fused paths), first allocations
-            state.step()
-    samples = {name: [] for name in states}
-    for _ in range(repetitions):
-        for name, state in states.items():
-            started = time.perf_counter()
-            for _ in range(steps):
-                state.step()
-            if state.token.device.type != "cpu":  # an accelerator runs ahead of the host: wait for its steps
-                torch.accelerator.synchronize(state.token.device)
-            samples[name].append((time.perf_counter() - started) * 1000 / steps)
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 @torch.no_grad()

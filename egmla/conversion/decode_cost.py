@@ -13,9 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..bench.decode import decode_state, median_ms
 from ..configuration_egmla import EGMLAConfig
-from ..measure import cache_bytes_per_token
+from ..measure import cache_bytes_per_token, decode_state, median_ms
 from .source import attention_shape
 
 MEASURED_BATCH = 8  # the cell of the measured ratio: batch 8 at the source's context, at most 2048
