@@ -6,7 +6,7 @@ On the CPU, absorbed modes run `AbsorbedAttention`, as DeepSeek's MLA: prompts e
 vLLM's CPU latent-attention kernels (`decode_attention_cpu`, `extend_attention_cpu`, vendored from sglang) run both,
 reading the paged cache in place; they take widths that are multiples of 32, so the model pads the cache row with
 zero columns (`tail_padding`). In fp32, which those kernels lack (`EGMLACPUMLABackend`), the plugin's own decode
-kernel reads the paged cache in place (`cpu_kernels`) and prompts attend by PyTorch's SDPA. The gate on K/V and the
+kernel reads the paged cache in place (`cpu_kernels`) and prompts attend by vLLM's CPU attention, their Llama's. The gate on K/V and the
 RoPE-exact latent run `RebuildingAttention`. On a GPU, vLLM's own MLA layer, with its MLA backends where the layout is
 DeepSeek's and this module's PyTorch decode elsewhere.
 """
@@ -175,7 +175,7 @@ class AbsorbedAttention(MLAAttention):
     MQA over the cached rows [latent ; rope key], whose first `value_width` columns are the values, the weighted
     latents taken to values by W^{UV} after. In bf16 and fp16 vLLM's CPU latent kernels (`kernels`) run both, reading
     the paged cache in place; in fp32, which they lack, decodes run the plugin's kernel (`mqa_decode`) and prompts
-    PyTorch's SDPA. Returns the attended values [T, H * dv].
+    vLLM's CPU attention (`staged_causal_attention`). Returns the attended values [T, H * dv].
     """
 
     def __init__(self, rope_width: int, kernels: bool, **kwargs):
