@@ -85,8 +85,8 @@ def train(model: EGMLAForCausalLM, blocks: torch.Tensor, settings: QuickstartSet
 def cache_comparison(
     model: EGMLAForCausalLM, tokenizer: PreTrainedTokenizerBase, prompt: torch.Tensor, settings: QuickstartSettings
 ) -> dict[str, float]:
-    """Cache bytes per token after `generate`: this model against MLA of the same width (gate off, latent 4x
-    larger) and a Llama with full multi-head K/V."""
+    """Cache bytes per token after `generate`: this model against MLA of the same width (gate off, a latent four times
+    wider) and a Llama with full multi-head K/V."""
     config = model.config
     torch.manual_seed(settings.seed)
     mla = EGMLAForCausalLM(small_config(tokenizer, kv_lora_rank=4 * settings.kv_lora_rank, gate_embedding_dim=0)).eval()

@@ -103,7 +103,7 @@ class FinetuneResult:
 
 
 # Rows of logits per chunk of the distillation loss: a few MB of temporaries, which the allocator reuses, where
-# whole-batch temporaries (hundreds of MB for a 49k vocabulary) were mapped afresh at every step (3-5x slower here).
+# whole-batch temporaries (hundreds of MB for a 49k vocabulary) were mapped afresh at every step (docs/results.md#behind-the-defaults).
 DISTILLATION_ROWS_PER_CHUNK = 32
 
 
@@ -217,8 +217,8 @@ def latest_checkpoint(folder: Path) -> Path | None:
 @dataclass
 class CosineSchedule:
     """The learning-rate factor: linear warm-up, then cosine decay to 0 at `steps` (known once budgeted). The
-    warm-up is not shortened for short runs: capping it at a tenth of a 25-step recovery of SmolLM2 (1 step at the
-    full rate) took its held-out perplexity from +8.3% to +11.6% of the source's (docs/results.md)."""
+    warm-up is not shortened for short runs: capped at a tenth of a short recovery it left SmolLM2 further from its
+    source (docs/results.md#behind-the-defaults)."""
 
     warmup_steps: int
     steps: int | None
@@ -242,8 +242,7 @@ class Run:
     autocast: torch.autocast  # the forward passes' (bfloat16 where `uses_bf16`, else disabled)
 
 
-# Below this width autocast's casts cost more than bf16 saves: measured on a CPU with AVX512-BF16, stories260K
-# (width 64) recovered 18% fewer steps in its budget under bf16, SmolLM2-135M (width 576) 3x more.
+# Below this width autocast's casts cost more than bf16 saves, on a CPU with AVX512-BF16 (docs/results.md#behind-the-defaults).
 BF16_MIN_HIDDEN_SIZE = 512
 
 
@@ -304,19 +303,21 @@ def prepare_run(student: EGMLAForCausalLM, settings: FinetuneSettings) -> Run:
 # The learning-rate schedule's length while the first two steps are timed: long enough that its cosine factor stays
 # ~1 (their rates are the warm-up's); the third step's rate is set again once the length is known.
 PROVISIONAL_STEPS = 1_000_000
+# The share of a budget's time left after its first steps that its steps may fill: the schedule must end first.
+BUDGET_SHARE = 0.92
 
 
 def budgeted_start(run: Run, teacher, blocks: torch.Tensor, settings: FinetuneSettings, history: list[dict]) -> int:
     """Takes the run's first two steps and returns the optimizer steps that fit in `max_minutes`, from the second's
-    time (the first pays for the allocator's warm-up): steps of the run, not passes thrown away. 92% of what remains
-    after them, since the schedule must end before the time guard stops the run; the fewest of any process."""
+    time (the first pays for the allocator's warm-up): steps of the run, not passes thrown away. Most of what remains
+    after them (BUDGET_SHARE), since the schedule must end before the time guard stops the run; the fewest of any process."""
     run.schedule.steps = PROVISIONAL_STEPS
     seconds = []
     for step in range(2):
         began = time.time()
         history.append({"step": step + 1, "loss": step_loss(run, teacher, blocks, settings, step)})
         seconds.append(max(time.time() - began, 1e-3))
-    steps = 2 + max(0, int(0.92 * (settings.max_minutes * 60 - sum(seconds)) / seconds[1]))
+    steps = 2 + max(0, int(BUDGET_SHARE * (settings.max_minutes * 60 - sum(seconds)) / seconds[1]))
     steps = int(run.accelerator.gather(torch.tensor([steps], device=run.accelerator.device)).min())
     run.schedule.steps = steps
     scheduler = getattr(run.scheduler, "scheduler", run.scheduler)  # accelerate's wrapper holds the LambdaLR

@@ -4,7 +4,7 @@ forward), medians over interleaved repetitions in one process, as ratios to Llam
 when a fixed cache budget sets how many sequences decode together.
 
 The caches are filled with random contents of the context's length (and random token ids for the gate), not by a
-prefill: a decode step costs the same whatever the cache holds, and a 12-layer prefill of 8 x 4096 tokens would take
+prefill: a decode step costs the same whatever the cache holds, and a 12-layer prefill of 8 sequences of 4096 tokens would take
 minutes per model on two cores.
 """
 

@@ -22,7 +22,7 @@ SHARED_TEXT = Path("../shared/assets/text/tinystories_train_2MiB.txt")
 
 @dataclass
 class TrainBench:
-    """One grid of runs (six by default, 250 steps of 16 x 256 tokens each, about 30 minutes on 2 CPU cores)."""
+    """One grid of runs (six by default, 250 steps of 16 sequences of 256 tokens each, about 30 minutes on 2 CPU cores)."""
 
     train_text: Path = SHARED_TEXT
     tokenizer: Path = TOKENIZER

@@ -36,7 +36,7 @@ Calibration = torch.Tensor | list[LayerStatistics] | None
 def pair_norms(states: torch.Tensor, heads: int) -> torch.Tensor:
     """states [N, heads*hd] -> summed 2-norm of each rotary pair (dims j and j + hd/2) [heads, hd/2]."""
     states = states.view(states.shape[0], heads, 2, -1)  # half-split: [N, heads, (first, second half), hd/2]
-    # hypot of the two halves: 100x faster on a CPU than a norm over the middle dimension of size 2
+    # hypot of the two halves: far faster on a CPU than a norm over a middle dimension of size 2
     return torch.hypot(states[:, :, 0], states[:, :, 1]).sum(dim=0)
 
 
@@ -104,9 +104,8 @@ FITTED_CONTEXT = 512
 
 def fitted_context(config) -> int:
     """The query-key distances over which rotary pairs are ranked: the length the fitting stages train on (the
-    source's context, at most 512), so that what the split leaves out is what those stages can fit. Measured on
-    SmolLM2 (context 8192, `convert --kv-cut 0.6875 --steps 0`): ranked over 4096 distances the layer-wise fit ends
-    at +26.2% held-out perplexity, over 512 at +19.2%."""
+    source's context, at most 512), so that what the split leaves out is what those stages can fit: ranked over
+    the whole context, SmolLM2's layer-wise fit ended further from its source (docs/results.md#behind-the-defaults)."""
     return min(config.max_position_embeddings, FITTED_CONTEXT)
 
 

@@ -57,8 +57,8 @@ class ConversionOptions:
     pair_selection: str = option(
         "rotation", "which pairs keep rotating: contribution x rotation variance, or MHA2MLA's 2-norm", PAIR_SELECTIONS
     )
-    # 0 by default: at the same budget the gate on the latent changed held-out perplexity by less than 0.1%
-    # (stories260K, 50% cut, measured with recovery) for 54% more parameters. The gate starts as the identity.
+    # 0 by default: at the same budget the gate on the latent left held-out perplexity where it was for many more
+    # parameters (docs/results.md#behind-the-defaults). The gate starts as the identity.
     gate_embedding_dim: int = option(
         0, "width of the gate tables; 0 = plain MLA", flags=("--gate-dim",), bounds="[0, inf)"
     )
@@ -116,7 +116,7 @@ class Budget:
 
 def default_rope_pairs(head_dim: int, rope_split: str) -> int:
     """MHA2MLA's default for per-head keys (head_dim / 16 pairs, at least 1); head_dim / 4 for a shared key (the
-    best of 4, 8, 16 and 24 pairs for SmolLM2-135M at its 68.75% cut, by calibration perplexity)."""
+    best of the pair counts tried on SmolLM2-135M at MHA2MLA's cut, by calibration perplexity: docs/results.md#behind-the-defaults)."""
     return max(1, head_dim // 16) if rope_split == "per_head" else max(1, head_dim // 4)
 
 

@@ -61,11 +61,10 @@ from .source import (
 )
 from .timing import StageTimes
 
-# `egmla retrofit`'s settings by whether text is given (a flag given wins). With text: a layer-wise fit of 100 Adam
-# steps a layer (not 200: 5.5 of the 20 minutes instead of 10), then 7 minutes recovering the attention alone at
-# 2e-4 (its steps take 0.65x the whole model's; in the same time it reached 9.98 held-out perplexity against 10.09).
-# Data-free: 200 steps a layer and 4.5 minutes recovering the whole model at 1e-4, since on sampled text both of the
-# text's choices ended worse (+63.1% against +57.4%), and 63, 69 and 101 steps all ended at +57-58% (docs/results.md).
+# `egmla retrofit`'s settings by whether text is given (a flag given wins). With text: a short layer-wise fit, then
+# the attention alone recovered (its steps are cheaper than the whole model's, and it ended nearer the source in the
+# same time). Data-free: a longer fit and the whole model recovered at a lower rate, since on sampled text both of
+# the text's choices ended worse (docs/results.md#behind-the-defaults).
 RETROFIT_BY_TEXT = {
     "text": {
         "max_minutes": 7.0,
@@ -84,7 +83,7 @@ RETROFIT_BY_TEXT = {
 }
 # The main job (no source given) keeps its minutes on a slower machine too: its recovery is shortened to fit.
 MAIN_JOB_TIME_LIMITS = {"text": 20.0, "data-free": 15.0}
-# The main job's defaults where they differ from the dataclasses': MHA2MLA's 68.75% cut of SmolLM2-135M, sized to
+# The main job's defaults where they differ from the dataclasses': MHA2MLA's cut of SmolLM2-135M, sized to
 # finish within 15 minutes on 2 CPU cores (20 with text); the settings that follow the text are in RETROFIT_BY_TEXT.
 RETROFIT_DEFAULTS = {
     "kv_cut": 0.6875,
@@ -98,8 +97,7 @@ RETROFIT_DEFAULTS = {
 }
 # `egmla convert` recovers on the calibration text when one is given (`--steps 0` turns it off): a decoupled rope
 # key loses what only training on text gives back, and a few minutes of it are most of the gain. 4 of them keep
-# SmolLM2's conversion with text within 10 minutes on 2 cores (with 250 layer-wise steps and 5 minutes: +8.1%
-# instead of +9.3%, in 11.6 minutes; docs/results.md).
+# SmolLM2's conversion with text within 10 minutes on 2 cores; longer runs gained a little for more time (docs/results.md#behind-the-defaults).
 CONVERT_DEFAULTS = {
     "steps": None,
     "batch_size": 4,
@@ -132,8 +130,8 @@ class TextSettings:
         "tokens per recovery block, the fitting blocks packed (default: the source's context, at most 512)",
         bounds="[2, inf)",
     )
-    # 32 (8,192 tokens): SmolLM2 converted with the defaults ended at +7.83% against +8.48% with 64, in 14.9 minutes
-    # against 17.8 (the layer-wise fit's passes over every block halve; docs/results.md).
+    # 32 (8,192 tokens): SmolLM2 converted with the defaults ended nearer its source than with 64, and sooner (the
+    # layer-wise fit's passes over every block halve; docs/results.md#behind-the-defaults).
     calibration_blocks: int = option(
         32,
         "blocks of fitting text used to calibrate and to fit layer by layer",
@@ -173,7 +171,7 @@ class TextSettings:
     eval_documents: int = option(
         100, "held-out documents scored whole (up to the source's context) for the report", bounds="[1, inf)"
     )
-    # bf16 scores SmolLM2's 100 documents in 0.58x the time, its perplexity 0.05% off float32's (docs/results.md).
+    # bf16 scores faster, its perplexity within rounding of float32's, where the CPU computes bf16 (docs/results.md#behind-the-defaults).
     scoring_mixed_precision: str = option(
         "auto",
         "the held-out documents scored under bfloat16 autocast (auto: where the device computes bfloat16 natively "
@@ -220,7 +218,7 @@ def read_calibration_text(path: Path, holds_out: bool) -> list[str]:
 
 
 def split_train_text(settings: TextSettings) -> tuple[list[str], list[str] | None]:
-    """The fitting documents of the calibration text and, without an eval text, its held-out last 10% (None when
+    """The fitting documents of the calibration text and, without an eval text, its held-out last tenth (None when
     an eval text is given)."""
     documents = read_calibration_text(settings.train_text, settings.eval_text is None)
     if settings.eval_text is not None:
@@ -495,8 +493,8 @@ class ConversionJob:
             check_resumable(self)
 
 
-# Set aside after the recovery: scoring the saved model (1.24-1.30x the source's time in SmolLM2's runs), and 45 s
-# for the decode measurement, the sample, the save and the recovery's own timing passes (SmolLM2 on 2 cores).
+# Set aside after the recovery: scoring the saved model (a little more than the source's scoring took in SmolLM2's
+# runs), and a fixed allowance for the decode measurement, the sample, the save and the recovery's own timing passes (SmolLM2 on 2 cores).
 FINAL_SCORING_FACTOR = 1.35
 FINAL_STAGES_SECONDS = 45.0
 MIN_RECOVERY_MINUTES = 0.25  # less would be spent on the recovery's set-up and timing passes

@@ -35,8 +35,8 @@ class ReconstructionSettings:
     """The fitting after factorization: the gate's closed form (`gate.py`), then each attention block by Adam
     (`steps=0` turns that stage off)."""
 
-    # One packed block a step. 150 steps, with 4 minutes of recovery, convert SmolLM2 with text in 9.1 minutes at
-    # +9.3% held-out; 250 steps and 5 minutes took 11.6 minutes for +8.1% (docs/results.md).
+    # One packed block a step. 150 steps, with 4 minutes of recovery, convert SmolLM2 with text within 10 minutes;
+    # longer runs gained a little for more time (docs/results.md#behind-the-defaults).
     flag_prefix: ClassVar[str] = "reconstruction_"  # its flags: --reconstruction-steps, ...
 
     steps: int = option(150, "Adam steps per layer of the layer-wise fit (0: no layer-wise fit)", bounds="[0, inf)")
@@ -53,7 +53,7 @@ class ReconstructionSettings:
         GATE_INITS,
         flags=("--gate-init",),
     )
-    # 4-64 pseudo-positions gave results within 0.2%.
+    # Results barely moved between 4 and 64 pseudo-positions (docs/results.md#behind-the-defaults).
     gate_shrinkage: float = option(
         16.0, "pseudo-positions pulling a rare token's gate toward 1", flags=("--gate-shrinkage",), bounds="[0, inf)"
     )
@@ -127,8 +127,8 @@ EAGER_FIT_MAX_LENGTH = 1024
 @contextlib.contextmanager
 def fitting_attention(config, device: torch.device, length: int):
     """The student's attention implementation while a layer is fitted on blocks of `length` tokens: eager on a CPU
-    for blocks up to EAGER_FIT_MAX_LENGTH, where SDPA's fused kernel is slower (a SmolLM2 layer's fit of 60 steps of
-    512 tokens and its passes over 16 blocks under SDPA: 1.94 s against 2.47 s), the model's own elsewhere. The
+    for blocks up to EAGER_FIT_MAX_LENGTH, where SDPA's fused kernel is slower (docs/results.md#behind-the-defaults), the model's own
+    elsewhere. The
     model keeps its implementation afterwards."""
     if device.type != "cpu" or length > EAGER_FIT_MAX_LENGTH:
         yield
