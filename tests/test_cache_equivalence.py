@@ -8,7 +8,7 @@ import torch
 
 from egmla import EGMLACache, cache_nbytes
 from egmla.configuration_egmla import EGMLA_LAYER_TYPE
-from tests.utils import MODES, generate_both, incremental_logits, tiny_model
+from tests.utils import MODES, assert_cache_equals_no_cache, generate_both, incremental_logits, tiny_model
 
 ALL_MODES = list(MODES)
 
@@ -18,11 +18,7 @@ ALL_MODES = list(MODES)
 def test_prefill_plus_20_steps_equals_no_cache(mode, attn_implementation):
     model = tiny_model(**MODES[mode])
     model.set_attn_implementation(attn_implementation)
-    input_ids = torch.randint(3, 128, (2, 27), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        reference = model(input_ids, use_cache=False).logits
-        cached = incremental_logits(model, input_ids, prefill=7, cache=EGMLACache(model.config))
-    torch.testing.assert_close(reference, cached, rtol=0, atol=1e-5)
+    assert_cache_equals_no_cache(model, (2, 27), prefill=7, seed=1)
 
 
 @pytest.mark.parametrize(
@@ -55,11 +51,7 @@ def test_prefill_plus_20_steps_equals_no_cache(mode, attn_implementation):
 @pytest.mark.parametrize("gate_position", ["kv", "latent"])
 def test_variants_cache_equals_no_cache(overrides, gate_position):
     model = tiny_model(gate_position=gate_position, **overrides)
-    input_ids = torch.randint(3, 128, (2, 15), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        reference = model(input_ids, use_cache=False).logits
-        cached = incremental_logits(model, input_ids, prefill=4, cache=EGMLACache(model.config))
-    torch.testing.assert_close(reference, cached, rtol=0, atol=1e-5)
+    assert_cache_equals_no_cache(model, (2, 15), prefill=4, seed=2)
 
 
 @pytest.mark.parametrize(
@@ -81,11 +73,7 @@ def test_variants_cache_equals_no_cache(overrides, gate_position):
 @pytest.mark.parametrize("gate_position", ["kv", "latent"])
 def test_exact_rope_variants_cache_equals_no_cache(overrides, gate_position):
     model = tiny_model(gate_position=gate_position, rope_mode="exact", **overrides)
-    input_ids = torch.randint(3, 128, (2, 15), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        reference = model(input_ids, use_cache=False).logits
-        cached = incremental_logits(model, input_ids, prefill=4, cache=EGMLACache(model.config))
-    torch.testing.assert_close(cached, reference, rtol=0, atol=1e-5)
+    assert_cache_equals_no_cache(model, (2, 15), prefill=4, seed=2)
 
 
 @pytest.mark.parametrize(
@@ -108,11 +96,7 @@ def test_exact_rope_variants_cache_equals_no_cache(overrides, gate_position):
 def test_rope_scaling_types(rope_parameters):
     model = tiny_model(rope_parameters=rope_parameters)
     assert model.model.rotary_emb.rope_type == rope_parameters["rope_type"]
-    input_ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        reference = model(input_ids, use_cache=False).logits
-        cached = incremental_logits(model, input_ids, prefill=5, cache=EGMLACache(model.config))
-    torch.testing.assert_close(reference, cached, rtol=0, atol=1e-5)
+    assert_cache_equals_no_cache(model, (1, 12), prefill=5, seed=3)
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)

@@ -36,6 +36,7 @@ from tests.utils import (
     incremental_logits,
     needs_shared,
     tiny_llama,
+    zero_shot_perplexities,
 )
 
 
@@ -155,13 +156,11 @@ def test_exact_rope_mode_at_full_rank_reproduces_a_random_gqa_llama(rope_paramet
 def test_exact_rope_mode_beats_the_decoupled_rope_key_at_a_50_percent_cut_on_stories260k(stories):
     """At the same 32 values per token per layer, a 32-wide RoPE-exact latent against a rope key of 3 shared
     pairs and a 26-wide latent: keeping RoPE exact must give the lower zero-shot perplexity."""
-    teacher, held_out = stories["teacher"], stories["held_out"]
-    statistics = calibrate(teacher, stories["calibration"])
-    results = {}
-    for mode, extra in (("exact", {}), ("shared", {"rope_pairs": 3})):
-        student = convert_llama_to_egmla(teacher, ConversionOptions(kv_cut=0.5, rope_split=mode, **extra), statistics)
-        assert student.config.kv_cache_values_per_token() / student.config.num_hidden_layers == 32
-        results[mode] = perplexity(student, held_out)
+    options = {
+        "exact": ConversionOptions(kv_cut=0.5, rope_split="exact"),
+        "shared": ConversionOptions(kv_cut=0.5, rope_split="shared", rope_pairs=3),
+    }
+    results = zero_shot_perplexities(stories, options, values_per_layer=32)
     assert results["exact"] < results["shared"]
 
 
@@ -207,17 +206,11 @@ def test_full_rank_reproduces_a_tiny_llama(rope_parameters, rope_keys):
 
 
 def test_activation_aware_beats_weight_only_on_stories260k(stories):
-    teacher, held_out = stories["teacher"], stories["held_out"]
-    statistics = calibrate(teacher, stories["calibration"])
-    results = {}
-    for factorization in ("activation", "weight"):
-        student = convert_llama_to_egmla(
-            teacher,
-            ConversionOptions(kv_cut=0.5, rope_pairs=3, factorization=factorization, gate_embedding_dim=0),
-            statistics,
-        )
-        assert student.config.kv_cache_values_per_token() / student.config.num_hidden_layers == 32
-        results[factorization] = perplexity(student, held_out)
+    options = {
+        factorization: ConversionOptions(kv_cut=0.5, rope_pairs=3, factorization=factorization, gate_embedding_dim=0)
+        for factorization in ("activation", "weight")
+    }
+    results = zero_shot_perplexities(stories, options, values_per_layer=32)
     assert results["activation"] < results["weight"]
 
 
@@ -422,22 +415,18 @@ def test_convert_recovers_on_the_calibration_text_by_default_and_not_without_tex
 def test_rotation_aware_pair_choice_beats_the_2_norm_on_stories260k(stories, rope_keys):
     """With the latent at full rank only the RoPE pairs differ: keeping pairs that barely rotate (2-norm) costs
     more than keeping those whose rotation varies over the distances attended (ours)."""
-    teacher, held_out = stories["teacher"], stories["held_out"][:16]
-    statistics = calibrate(teacher, stories["calibration"][:16])
-    results = {}
-    for selection in ("rotation", "norm"):
-        student = convert_llama_to_egmla(
-            teacher,
-            ConversionOptions(
-                kv_lora_rank=40, rope_pairs=3, rope_split=rope_keys, pair_selection=selection, gate_embedding_dim=0
-            ),
-            statistics,
+    options = {
+        selection: ConversionOptions(
+            kv_lora_rank=40, rope_pairs=3, rope_split=rope_keys, pair_selection=selection, gate_embedding_dim=0
         )
-        results[selection] = perplexity(student, held_out)
+        for selection in ("rotation", "norm")
+    }
+    results = zero_shot_perplexities(stories, options, documents=16)
     assert results["rotation"] < results["norm"]
+    statistics = calibrate(stories["teacher"], stories["calibration"][:16])
     with pytest.raises(ValueError, match="pair_selection"):
         convert_llama_to_egmla(
-            teacher,
+            stories["teacher"],
             ConversionOptions(kv_lora_rank=40, rope_pairs=3, pair_selection="random", gate_embedding_dim=0),
             statistics,
         )
@@ -446,15 +435,11 @@ def test_rotation_aware_pair_choice_beats_the_2_norm_on_stories260k(stories, rop
 def test_shared_rope_key_beats_per_head_keys_at_the_same_budget_on_stories260k(stories):
     """At a 50% cut, one shared rope key of 3 principal pairs (6 values) leaves a 26-wide latent; three pairs per
     KV head (24 values) leave 8: the shared key must give the lower zero-shot perplexity."""
-    teacher, held_out = stories["teacher"], stories["held_out"]
-    statistics = calibrate(teacher, stories["calibration"])
-    results = {}
-    for rope_keys in ("shared", "per_head"):
-        student = convert_llama_to_egmla(
-            teacher, ConversionOptions(kv_cut=0.5, rope_pairs=3, rope_split=rope_keys, gate_embedding_dim=0), statistics
-        )
-        assert student.config.kv_cache_values_per_token() / student.config.num_hidden_layers == 32
-        results[rope_keys] = perplexity(student, held_out)
+    options = {
+        rope_keys: ConversionOptions(kv_cut=0.5, rope_pairs=3, rope_split=rope_keys, gate_embedding_dim=0)
+        for rope_keys in ("shared", "per_head")
+    }
+    results = zero_shot_perplexities(stories, options, values_per_layer=32)
     assert results["shared"] < results["per_head"]
 
 

@@ -17,7 +17,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from egmla import EGMLAConfig, EGMLAForCausalLM
+from egmla import EGMLACache, EGMLAConfig, EGMLAForCausalLM
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 STORIES260K = Path(__file__).resolve().parent / "assets" / "stories260K-hf"  # MIT, see assets/README.md
@@ -209,3 +209,33 @@ def folder_digest(folder: Path) -> str:
         if path.is_file():
             digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()
+
+
+def assert_cache_equals_no_cache(model, shape: tuple[int, int], prefill: int, seed: int) -> None:
+    """Logits of random token ids [batch, length], prefilled `prefill` tokens into a fresh EGMLACache then one token a
+    step, equal those of a forward without cache."""
+    input_ids = torch.randint(3, 128, shape, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        reference = model(input_ids, use_cache=False).logits
+        cached = incremental_logits(model, input_ids, prefill=prefill, cache=EGMLACache(model.config))
+    torch.testing.assert_close(cached, reference, rtol=0, atol=1e-5)
+
+
+def zero_shot_perplexities(
+    stories: dict, options: dict, values_per_layer: int | None = None, documents: int | None = None
+) -> dict:
+    """{name: held-out perplexity} of stories260K converted with each `ConversionOptions` (one calibration shared, no
+    fitting), each caching `values_per_layer` values per token per layer where given; `documents`: the first ones of
+    the calibration and held-out stories only."""
+    from egmla.conversion import calibrate, convert_llama_to_egmla
+    from egmla.text import perplexity
+
+    teacher, held_out = stories["teacher"], stories["held_out"][:documents]
+    statistics = calibrate(teacher, stories["calibration"][:documents])
+    results = {}
+    for name, conversion in options.items():
+        student = convert_llama_to_egmla(teacher, conversion, statistics)
+        if values_per_layer is not None:
+            assert student.config.kv_cache_values_per_token() / student.config.num_hidden_layers == values_per_layer
+        results[name] = perplexity(student, held_out)
+    return results
