@@ -6,9 +6,9 @@ On the CPU, absorbed modes run `AbsorbedAttention`, as DeepSeek's MLA: prompts e
 vLLM's CPU latent-attention kernels (`decode_attention_cpu`, `extend_attention_cpu`, vendored from sglang) run both,
 reading the paged cache in place; they take widths that are multiples of 32, so the model pads the cache row with
 zero columns (`tail_padding`). In fp32, which those kernels lack (`EGMLACPUMLABackend`), the plugin's own decode
-kernel reads the paged cache in place (`cpu_kernels`) and prompts attend by vLLM's CPU attention, their Llama's. The gate on K/V and the
-RoPE-exact latent run `RebuildingAttention`. On a GPU, vLLM's own MLA layer, with its MLA backends where the layout is
-DeepSeek's and this module's PyTorch decode elsewhere.
+kernel reads the paged cache in place (`cpu_kernels`) and prompts attend by vLLM's CPU attention, its Llama's. The
+gate on K/V and the RoPE-exact latent run `RebuildingAttention`. On a GPU, vLLM's own MLA layer, with its MLA
+backends where the layout is DeepSeek's and this module's PyTorch decode elsewhere.
 """
 
 from dataclasses import dataclass
@@ -242,14 +242,8 @@ class AbsorbedAttention(MLAAttention):
         if not self.kernels:
             starts = metadata.prefill.query_start_loc.to(torch.long)
             return staged_causal_attention(query, key, value, starts, self.scale)[..., : self.v_head_dim]
-        prefill, out = metadata.prefill, value.new_empty(tokens, self.num_heads, value_width)
         # No cached context: the kernel reads only the new keys and values, so they stand in for the cache too.
-        torch.ops._C.extend_attention_cpu(
-            query, key, value, out, key, value, prefill.req_to_token, prefill.req_pool_indices, prefill.cpu_seq_lens,
-            prefill.extend_seq_lens, prefill.extend_start_loc, prefill.max_len_extend, self.scale, 0.0, False, 0,
-            None, None, None,
-        )  # fmt: skip
-        return out[..., : self.v_head_dim]
+        return extend_attention(query, key, value, key, value, metadata.prefill, self.scale)[..., : self.v_head_dim]
 
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata) -> torch.Tensor:
         """Absorbed queries [B, H, D], one per request, over its cached rows. Returns [B, H, value_width]."""
@@ -270,14 +264,9 @@ class AbsorbedAttention(MLAAttention):
         """Prompts' absorbed queries [N, H, D] over their requests' cached rows, which already hold the new ones.
         Returns [N, H, value_width]."""
         if self.kernels:
-            prefill, rows, new_rows = metadata.prefill, kv_cache.view(-1, 1, kv_cache.shape[-1]), new_rows[:, None]
-            out = query.new_empty(*query.shape[:2], self.value_width)
-            torch.ops._C.extend_attention_cpu(
-                query, new_rows, new_rows[..., : self.value_width], out, rows, rows[..., : self.value_width],
-                prefill.req_to_token, prefill.req_pool_indices, prefill.cpu_seq_lens, prefill.extend_seq_lens,
-                prefill.extend_start_loc, prefill.max_len_extend, self.scale, 0.0, False, 0, None, None, None,
-            )  # fmt: skip
-            return out
+            rows, new_rows = kv_cache.view(-1, 1, kv_cache.shape[-1]), new_rows[:, None]  # one key head
+            values, new_values = rows[..., : self.value_width], new_rows[..., : self.value_width]
+            return extend_attention(query, new_rows, new_values, rows, values, metadata.prefill, self.scale)
         decodes = metadata.num_decodes
         seq_lens = metadata.request_seq_lens[decodes:].to(torch.long)
         starts = metadata.request_query_start_loc[decodes:].to(torch.long)
@@ -286,6 +275,22 @@ class AbsorbedAttention(MLAAttention):
         return attend_over_cache(
             query, key, key[..., : self.value_width], valid, seq_lens, starts - starts[0], self.scale
         )
+
+
+def extend_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    prefill, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """vLLM's CPU latent kernel for prompts: queries [N, H, dk] over their new keys and values [N, Hkv, dk or dv]
+    after their cached context in key_cache and value_cache (rows by `prefill.req_to_token`), causal. Returns
+    [N, H, dv]."""
+    out = value.new_empty(*query.shape[:2], value.shape[-1])
+    torch.ops._C.extend_attention_cpu(
+        query, key, value, out, key_cache, value_cache, prefill.req_to_token, prefill.req_pool_indices,
+        prefill.cpu_seq_lens, prefill.extend_seq_lens, prefill.extend_start_loc, prefill.max_len_extend, scale, 0.0,
+        False, 0, None, None, None,
+    )  # fmt: skip
+    return out
 
 
 def pad_to(tensor: torch.Tensor, width: int) -> torch.Tensor:

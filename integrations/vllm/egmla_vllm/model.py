@@ -419,6 +419,7 @@ class EGMLAForCausalLM(nn.Module):
 # The checkpoint's projections that share one product here: the merged projection's name and the shard each fills.
 MERGED_SHARDS = {
     ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0), ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
-    ".self_attn.q_proj.": (".self_attn.fused_qkv_a_proj.", 0), ".self_attn.q_a_proj.": (".self_attn.fused_qkv_a_proj.", 0),
+    ".self_attn.q_proj.": (".self_attn.fused_qkv_a_proj.", 0),
+    ".self_attn.q_a_proj.": (".self_attn.fused_qkv_a_proj.", 0),
     ".self_attn.kv_a_proj_with_mqa.": (".self_attn.fused_qkv_a_proj.", 1),
 }  # fmt: skip
