@@ -1,12 +1,12 @@
-"""benchmarks/conversion_scale.py on its 2-layer tiny shape: a random-weight Llama written, converted with the
-defaults' stages in a child process, and its row (wall time, seconds by stage from the report, peak RSS from the OS);
-benchmarks/factorization_speed.py on the same shape."""
+"""benchmarks/conversion/conversion_scale.py on its 2-layer tiny shape: a random-weight Llama written, converted with
+the defaults' stages in a child process, and its row (wall time, seconds by stage from the report, peak RSS from the
+OS)."""
 
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "conversion"))
 import conversion_scale  # noqa: E402
 
 from egmla.data import EXCERPT  # noqa: E402
@@ -35,12 +35,3 @@ def test_the_scale_benchmark_reports_stage_times_and_peak_memory(tmp_path, capsy
     assert sum(stages.values()) <= row["wall_s"]
     assert "| tiny |" in capsys.readouterr().out and (tmp_path / "rows.json").exists()
     assert "saved " in (tmp_path / "log").read_text()  # the child's own output, kept with --log
-
-
-def test_the_factorization_benchmark_times_equal_products(capsys):
-    import factorization_speed
-
-    (row,) = factorization_speed.main(["--shapes", "tiny", "--repeats", "1"])  # it asserts the values are equal
-    assert row["shape"] == "tiny" and row["factorize_layer"] > 0
-    assert all(row[part][label] > 0 for part in ("value spread", "key moments") for label in ("previous", "current"))
-    assert "| tiny |" in capsys.readouterr().out

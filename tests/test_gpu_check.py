@@ -1,11 +1,11 @@
-"""benchmarks/gpu_check.py, the prepared GPU check, run with --tiny shapes on the CPU so that it cannot rot: every
+"""benchmarks/gpu/gpu_check.py, the prepared GPU check, run with --tiny shapes on the CPU so that it cannot rot: every
 section produces its rows, and every decode path equals the reference (Triton in its interpreter)."""
 
 import importlib.util
 import json
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
 
 
 def load_gpu_check():

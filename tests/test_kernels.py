@@ -331,12 +331,13 @@ def test_generate_in_exact_rope_mode_with_egmla_fused_gives_the_reference_tokens
 
 @needs_triton
 def test_the_gpu_benchmark_script_runs(tmp_path):
-    """benchmarks/gpu_decode.py is meant for a GPU; --smoke runs its whole path on tiny shapes in the interpreter."""
+    """benchmarks/gpu/gpu_decode.py is meant for a GPU; --smoke runs its whole path on tiny shapes in the
+    interpreter."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_decode.py"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "gpu_decode.py"
     result = subprocess.run(
         [sys.executable, str(script), "--smoke"],
         capture_output=True,

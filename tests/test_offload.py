@@ -94,8 +94,9 @@ def test_from_pretrained_puts_tables_placed_elsewhere_back_in_cpu_memory(tmp_pat
 
 
 def test_the_memory_report_counts_the_tables_in_cpu_memory():
-    """benchmarks/offload_memory.py on the paper's model: the tables (12 x 50257 x 256 bf16) leave the accelerator."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_memory.py"
+    """benchmarks/model/offload_memory.py on the paper's model: the tables (12 x 50257 x 256 bf16) leave the
+    accelerator."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "model" / "offload_memory.py"
     output = subprocess.run([sys.executable, str(script), "--device", "meta"], capture_output=True, text=True)
     assert output.returncode == 0, output.stderr
     rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in output.stdout.splitlines() if "| " in line}

@@ -1,8 +1,8 @@
 """Decode latency on the CPU: the reference path (`sdpa`) against the compiled fused path (`egmla_fused_compiled`),
 side by side in one process.
 
-    python benchmarks/compiled_decode.py               # the paper's EG-MLA-kv64 width, 2 layers, gate on K/V
-    python benchmarks/compiled_decode.py --gate-position latent --contexts 2048
+    python benchmarks/decode/compiled_decode.py               # the paper's EG-MLA-kv64 width, 2 layers, gate on K/V
+    python benchmarks/decode/compiled_decode.py --gate-position latent --contexts 2048
 
 For every batch size and context length the same model decodes one token over a cache of exactly that length
 (the cache is cropped back after every step), alternating the backends repetition by repetition (the machine is

@@ -1,8 +1,8 @@
 """The distillation loss and its backward on one recovery step's logits: torch's whole-batch formula against
 egmla's chunked loss (`egmla.training.distillation_loss`), interleaved, medians.
 
-    python benchmarks/distillation_loss.py                       # [2, 512, 49152]: SmolLM2's recovery step
-    python benchmarks/distillation_loss.py --batch-size 4 --vocab 32000
+    python benchmarks/training/distillation_loss.py                       # [2, 512, 49152]: SmolLM2's recovery step
+    python benchmarks/training/distillation_loss.py --batch-size 4 --vocab 32000
 """
 
 import argparse

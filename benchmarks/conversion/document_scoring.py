@@ -4,8 +4,8 @@ document at a time over its own tokens), in float32 and under bfloat16 autocast 
 where the device computes bfloat16 natively and the model is 512 wide or more). Seconds interleaved in one process
 (medians), the perplexity of each, and the peak resident memory of each in a process of its own.
 
-    python benchmarks/document_scoring.py SOURCE --text T          # SOURCE: a Llama folder or GGUF
-    python benchmarks/document_scoring.py runs/llama-1b --text T --documents 20 --repetitions 1
+    python benchmarks/conversion/document_scoring.py SOURCE --text T          # SOURCE: a Llama folder or GGUF
+    python benchmarks/conversion/document_scoring.py runs/llama-1b --text T --documents 20 --repetitions 1
 """
 
 import argparse
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from egmla.conversion.pipeline import TextSettings, fitting_and_held_out
+from egmla.conversion.fitting_text import TextSettings, fitting_and_held_out
 from egmla.conversion.source import load_llama, load_tokenizer
+from egmla.precision import bf16_autocast
 from egmla.text import (
     DocumentLosses,
     document_batches,
@@ -28,7 +29,6 @@ from egmla.text import (
     document_perplexity,
     position_buckets,
 )
-from egmla.training import bf16_autocast
 
 
 @torch.no_grad()

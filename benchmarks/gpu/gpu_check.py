@@ -1,7 +1,7 @@
 """The one prepared GPU check: kernels, decode, conversion and the paper's claim, in about 8 minutes on one H200.
 
-    python benchmarks/gpu_check.py --out benchmarks/results/gpu_check --text TEXT       # on a CUDA machine
-    python benchmarks/gpu_check.py --tiny --out /tmp/gpu-check                          # tiny shapes on the CPU
+    python benchmarks/gpu/gpu_check.py --out benchmarks/results/gpu_check --text TEXT       # on a CUDA machine
+    python benchmarks/gpu/gpu_check.py --tiny --out /tmp/gpu-check                          # tiny shapes on the CPU
 
 Four sections, each bounded by its own minutes (the last by what --minutes leaves); a row that fails records its error and the check goes on, and
 gpu_check.json and gpu_check.md are rewritten under --out after every section (a run cut short keeps what it did):
@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark that writes random checkpoints
+# conversion/conversion_scale.py, the benchmark that writes random checkpoints
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "conversion"))
 from conversion_scale import SHAPES, make_source  # noqa: E402
 
 from egmla import EGMLAConfig, EGMLAForCausalLM, cache_nbytes  # noqa: E402
@@ -350,7 +351,9 @@ def conversion(check: Check, deadline: float) -> list[dict]:
         environment = {**os.environ, "TQDM_DISABLE": "1"}
         try:
             timeout = max(10.0, deadline - started)
-            result = subprocess.run(command, capture_output=True, text=True, check=False, env=environment, timeout=timeout)
+            result = subprocess.run(
+                command, capture_output=True, text=True, check=False, env=environment, timeout=timeout
+            )
         except subprocess.TimeoutExpired as stopped:
             tail = (stopped.stderr or b"")[-1500:]
             return [{"shape": shape, "error": f"stopped after {timeout:.0f} s (--minutes): {tail!r}"}]
@@ -533,7 +536,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--text", type=Path, default=EXCERPT, help="training and fitting text (default: embedded)")
     parser.add_argument("--device", default=None, help="default: cuda, or cpu with --tiny")
     for field in ("minutes", "error_minutes", "decode_minutes", "figure_minutes", "recovery_minutes"):
-        parser.add_argument("--" + field.replace("_", "-"), type=float, default=Check.__dataclass_fields__[field].default)
+        parser.add_argument(
+            "--" + field.replace("_", "-"), type=float, default=Check.__dataclass_fields__[field].default
+        )
     parser.add_argument("--seeds", type=int, default=3)
     args = parser.parse_args(argv)
     device = args.device or ("cpu" if args.tiny else "cuda")

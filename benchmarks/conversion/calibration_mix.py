@@ -2,7 +2,7 @@
 whitening damped towards the weights alone, scored on the fitting domain and on general English (closed form, and
 optionally after the layer-wise fit).
 
-    python benchmarks/calibration_mix.py --text ../shared/assets/text/tinystories_train_2MiB.txt \
+    python benchmarks/conversion/calibration_mix.py --text ../shared/assets/text/tinystories_train_2MiB.txt \
         --eval-text egmla/data/wikipedia_choosing.txt
 
 Every row shares one rope split (the defaults' 15 shared pairs at SmolLM2's 68.75% cut) and one calibration pass
@@ -23,9 +23,9 @@ from egmla.conversion import ConversionOptions, calibrate, convert_llama_to_egml
 from egmla.conversion.calibration import LayerStatistics
 from egmla.conversion.reconstruction import ReconstructionSettings, reconstruct_layers
 from egmla.data import smollm2_gguf
+from egmla.precision import bf16_autocast
 from egmla.sampling import Sampling, sample_blocks
 from egmla.text import document_ids, document_perplexity, packed_blocks, read_documents, split_documents, token_blocks
-from egmla.training import bf16_autocast
 
 
 def blended(text: LayerStatistics, samples: LayerStatistics, share: float) -> LayerStatistics:

@@ -2,8 +2,8 @@
 re-expansion timed alone at the step's shapes, times the layers, against the whole step (`egmla bench decode`'s
 default path) and against the arithmetic at a measured matmul rate.
 
-    python benchmarks/decode_breakdown.py                     # batch 8, context 2048, random ids (the bench's)
-    python benchmarks/decode_breakdown.py --batch-size 1 --context 512 --distinct 200
+    python benchmarks/decode/decode_breakdown.py                     # batch 8, context 2048, random ids (the bench's)
+    python benchmarks/decode/decode_breakdown.py --batch-size 1 --context 512 --distinct 200
 
 Random ids make every cached token distinct, so the gate is computed once per position (the worst case); text
 repeats its tokens (2048 TinyStories tokens hold 434 distinct ones), which `--distinct` stands in for.
@@ -17,7 +17,7 @@ import torch
 
 from egmla.bench.models import build, paper_dims
 from egmla.measure import decode_state
-from egmla.modeling_egmla import gate_norm_scale
+from egmla.modeling_egmla import gate_norm_scale, kv_weights
 
 
 def median_ms(function, repetitions: int = 5) -> float:
@@ -46,7 +46,7 @@ def main() -> None:
     attention = model.model.layers[0].self_attn
     latent, rows = torch.randn(batch, context, rank), torch.randn(distinct, gate_dim)
     index = torch.randint(0, distinct, (positions,))
-    kv_weight = attention.kv_b_weight(like=latent)  # [H, dn+dv, r]
+    kv_weight, _ = kv_weights(attention, like=latent)  # W^{UKV} [Hkv, dn+dv, r]
     expanded = torch.randn(batch, heads, context, width // heads)  # per head, as the blocked decode makes it
     gate_values = torch.randn(distinct, width)
     query = torch.randn(batch, heads, 1, config.qk_nope_head_dim)
@@ -57,7 +57,7 @@ def main() -> None:
         "gate gather and multiply": lambda: (
             expanded * gate_values.index_select(0, index).view(batch, context, heads, -1).transpose(1, 2)
         ),
-        "gate norm scale (one pass; its weight folded)": lambda: gate_norm_scale(attention, expanded),
+        "gate norm scale (one pass; its weight folded)": lambda: gate_norm_scale(expanded, attention.layout.norm_eps),
         "attention products (q.k, p.v)": lambda: (
             torch.matmul(query, expanded[..., : config.qk_nope_head_dim].mT),
             torch.matmul(probs, expanded[..., config.qk_nope_head_dim :]),

@@ -1,7 +1,7 @@
 """Parameter bytes per device with the gate tables resident and offloaded (`offload_gate_tables=True`).
 
-    python benchmarks/offload_memory.py                       # the paper's EG-MLA-kv64 (120M + 154M gate rows)
-    python benchmarks/offload_memory.py --preset paper-egmla-kv16 --device cuda
+    python benchmarks/model/offload_memory.py                       # the paper's EG-MLA-kv64 (120M + 154M gate rows)
+    python benchmarks/model/offload_memory.py --preset paper-egmla-kv16 --device cuda
 
 The model is moved to `--device` (default: cuda when present, else "meta", which stands in for an accelerator:
 parameters moved there take no memory, and the bytes they would take are counted the same way).

@@ -1,7 +1,7 @@
 """Held-out perplexity of absorbable conversions at one budget: rope keys of several widths (shared, or one per KV
 head), the gate on the latent or off; zero-shot and after the layer-wise fit, every variant from one calibration.
 
-    python benchmarks/rope_widths.py tests/assets/stories260K-hf --kv-cut 0.5
+    python benchmarks/conversion/rope_widths.py tests/assets/stories260K-hf --kv-cut 0.5
 
 Calibration: the first documents of the text cut into --block-size blocks; held out: the last 10% of its documents,
 cut into blocks of the source's context (at most 512 tokens), which nothing is fitted on. The layer-wise fit sees the
@@ -16,7 +16,7 @@ from egmla.conversion import ConversionOptions, calibrate, convert_llama_to_egml
 from egmla.conversion.reconstruction import ReconstructionSettings, reconstruct_layers
 from egmla.text import packed_blocks, perplexity, read_documents, split_documents, token_blocks
 
-TEXT = Path(__file__).resolve().parents[1] / "../shared/assets/text/tinystories_train_2MiB.txt"
+TEXT = Path(__file__).resolve().parents[2] / "../shared/assets/text/tinystories_train_2MiB.txt"
 VARIANTS = (
     {"rope_pairs": 2},
     {"rope_pairs": 4},

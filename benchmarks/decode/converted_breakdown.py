@@ -2,7 +2,7 @@
 prefilled cache of real text, split by module (timers on the modules' forward hooks; the CPU runs one op at a time,
 so wall time between a module's entry and exit is its cost), medians over repetitions, each model in turn.
 
-    python benchmarks/converted_breakdown.py SRC OUT [OUT ...] [--cells 1x512 8x2048] [--repetitions 5]
+    python benchmarks/decode/converted_breakdown.py SRC OUT [OUT ...] [--cells 1x512 8x2048] [--repetitions 5]
 
 Rows: the attention's projections (its weights), the attention's core (everything else inside the attention module:
 rope, cache update, the scores and the weighted sum over the cache, the absorbed query and output), the MLP, the

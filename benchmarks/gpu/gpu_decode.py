@@ -2,8 +2,8 @@
 reference path and against an MHA decode of the same width (SDPA over a full K/V cache), with achieved bytes/s
 and FLOP/s next to ceilings measured on the same GPU (a large copy, a large bf16 matmul).
 
-    python benchmarks/gpu_decode.py                                  # on a CUDA machine
-    TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --smoke       # tiny shapes on the CPU: checks the script
+    python benchmarks/gpu/gpu_decode.py                                  # on a CUDA machine
+    TRITON_INTERPRET=1 python benchmarks/gpu/gpu_decode.py --smoke       # tiny shapes on the CPU: checks the script
 
 Layer shapes are the paper's EG-MLA-kv64 (12 heads, nope/rope/value dims 64, latent 64, gate tables of 256),
 bf16, for each decode path (`CASES`: gate on K/V, RoPE-exact latent, gate on the latent, gate off). "roofline" is the time the kernel would take at the measured ceilings: max(bytes / copy bandwidth,
@@ -19,13 +19,7 @@ import torch
 
 from egmla import EGMLAConfig, EGMLAForCausalLM
 from egmla.kernels import KVDecodeInputs, KVDecodeWeights, LatentDecodeInputs, bool_mask, triton_decode
-from egmla.modeling_egmla import (
-    LATENT_DECODE_VERSION,
-    EGMLAGateRows,
-    EGMLALatentDecode,
-    absorbed_attention,
-    expand_kv,
-)
+from egmla.modeling_egmla import EGMLAGateRows, absorbed_attention, build_step, expand_kv
 
 
 def timed(function, repetitions: int, device: torch.device) -> float:
@@ -93,22 +87,21 @@ def decode_case(module, batch_size: int, context: int, device: torch.device):
     latent, rope_key = randn(batch_size, 1, context, rank), randn(batch_size, 1, context, module.rope_key_width)
     gate_rows = EGMLAGateRows(randn(batch_size * context, gate_dim), None, batch_size, context)  # one per position
     mask = bool_mask(None, batch_size, 1, context, device)
-    weight = module.kv_b_weight(like=latent)
-    rebuilt = module.rebuilt_key_dim + value_dim  # per head: the keys' rebuilt dims and the value
-    if not module.absorbs:
-        gate_weight = module.gate_embedding_proj.weight.view(module.num_key_value_heads, rebuilt, gate_dim)
+    key_rotary = None
+    if module.rope_mode == "exact":  # cos, sin of the cached positions
+        angles = torch.arange(context, device=device)[:, None] * torch.linspace(0, 1, rope // 2, device=device)
+        cos, sin = (f(torch.cat([angles, angles], dim=-1)).expand(batch_size, -1, -1) for f in (torch.cos, torch.sin))
+        key_rotary = (cos[:, None].to(torch.bfloat16), sin[:, None].to(torch.bfloat16))
+    step = build_step(module, q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, decoding=True)
+    weight, layout = step.kv_weight, step.layout
+    rebuilt = layout.rebuilt_key_dim + value_dim  # per head: the keys' rebuilt dims and the value
+    if not layout.absorbs:
+        gate_weight = step.gate_weight
         query = torch.cat([q_nope, q_rope], dim=-1)
-        norm = module.gate_norm
-        key_rotary = None
-        if module.rope_mode == "exact":  # cos, sin of the cached positions
-            angles = torch.arange(context, device=device)[:, None] * torch.linspace(0, 1, rope // 2, device=device)
-            cos, sin = (
-                f(torch.cat([angles, angles], dim=-1)).expand(batch_size, -1, -1) for f in (torch.cos, torch.sin)
-            )
-            key_rotary = (cos[:, None].to(torch.bfloat16), sin[:, None].to(torch.bfloat16))
         key_cos, key_sin = (key_rotary[0][:, 0], key_rotary[1][:, 0]) if key_rotary else (None, None)
         inputs = KVDecodeInputs(query, latent[:, 0], rope_key[:, 0], gate_rows.rows, None, key_cos, key_sin, mask)
-        weights = KVDecodeWeights(weight, gate_weight, norm.weight, norm.variance_epsilon, module.scaling, nope, 1)
+        norm_weight, norm_eps = step.norm_weight, layout.norm_eps
+        weights = KVDecodeWeights(weight, gate_weight, norm_weight, norm_eps, layout.scaling, nope, 1)
 
         def kernel():
             return triton_decode.decode_kv(inputs, weights)
@@ -128,8 +121,7 @@ def decode_case(module, batch_size: int, context: int, device: torch.device):
             return triton_decode.decode_latent(inputs, module.scaling)
 
         def reference():
-            step = EGMLALatentDecode(LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, None, None)
-            return absorbed_attention(module, step, None)
+            return absorbed_attention(step, None)
 
         read = (latent.numel() + rope_key.numel()) * 2
         flops = 2 * batch_size * heads * context * (rank + rope + rank)

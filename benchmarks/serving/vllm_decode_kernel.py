@@ -2,7 +2,7 @@
 its block table, then SDPA), side by side in one process, on SmolLM2's conversion's row (9 query heads over a latent
 of 90 and a rope key of 30), per layer and step. Run with the vLLM venv's python:
 
-    PYTHONPATH=integrations/vllm .venv-vllm/bin/python benchmarks/vllm_decode_kernel.py
+    PYTHONPATH=integrations/vllm .venv-vllm/bin/python benchmarks/serving/vllm_decode_kernel.py
 """
 
 import argparse

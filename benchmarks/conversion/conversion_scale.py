@@ -2,9 +2,9 @@
 defaults (`egmla convert --kv-cut 0.6875 --train-text TEXT`) in its own process, its wall time per stage (from the
 report) and its peak resident memory (from the OS, `wait4`), one row per shape.
 
-    python benchmarks/conversion_scale.py --shapes smollm2-135m llama-3.2-1b --layers 2 \
+    python benchmarks/conversion/conversion_scale.py --shapes smollm2-135m llama-3.2-1b --layers 2 \
         --text ../shared/assets/text/tinystories_train_2MiB.txt
-    python benchmarks/conversion_scale.py --shapes llama-3.1-8b --dtype bfloat16 --text TEXT \
+    python benchmarks/conversion/conversion_scale.py --shapes llama-3.1-8b --dtype bfloat16 --text TEXT \
         -- --stream --calibration-blocks 8 --reconstruction-steps 0
 
 `--layers N` keeps the first N layers of each shape (the per-layer cost times the depth extrapolates the whole);

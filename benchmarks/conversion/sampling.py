@@ -1,7 +1,7 @@
 """Data-free text sampling speed: tokens/s of `generate` from the source's BOS at several batch widths, in one
 process, as ratios to 32 rows (`egmla.sampling.Sampling.batch_size` is 64).
 
-    python benchmarks/sampling.py                     # SmolLM2-135M (the main job's source), 32 new tokens
+    python benchmarks/conversion/sampling.py                     # SmolLM2-135M (the main job's source), 32 new tokens
 """
 
 import argparse
