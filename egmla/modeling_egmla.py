@@ -41,16 +41,21 @@ class EGMLARMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        if input_dtype == self.weight.dtype == torch.float32:  # the same arithmetic in one fused pass
-            return nn.functional.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMS norm's arithmetic, also applied by the decode paths with the weight their step carries."""
+    input_dtype = hidden_states.dtype
+    if input_dtype == weight.dtype == torch.float32:  # the same arithmetic in one fused pass
+        return nn.functional.rms_norm(hidden_states, weight.shape, weight, eps)
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + eps)
+    return weight * hidden_states.to(input_dtype)
 
 
 class EGMLARotaryEmbedding(nn.Module):
@@ -546,23 +551,6 @@ def eager_attention_forward(
     return attn_output.transpose(1, 2).contiguous(), attn_weights
 
 
-def plain_weight(linear: nn.Module) -> torch.Tensor | None:
-    """A Linear's weight parameter where it is the weight the module applies; None where an adapter (LoRA) or
-    accelerate's offload hook acts only when the module is called."""
-    if type(linear) is nn.Linear and not hasattr(linear, "_hf_hook"):
-        return linear.weight
-    return None
-
-
-def linear_weight(linear: nn.Module, in_features: int, like: torch.Tensor) -> torch.Tensor:
-    """A Linear's effective weight [out, in]: its parameter, or, under an adapter or offload hook, the projection
-    of the identity."""
-    weight = plain_weight(linear)
-    if weight is not None:
-        return weight
-    return linear(torch.eye(in_features, device=like.device, dtype=like.dtype)).T
-
-
 def causal_mask(query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
     """What a `None` transformers mask means: bool [S, T], query i sits at position key_length - query_length + i."""
     return torch.ones(query_length, key_length, dtype=torch.bool, device=device).tril(key_length - query_length)
@@ -602,20 +590,81 @@ def latent_sdpa(
     return output[..., :rank].reshape(batch_size, heads, query_length, rank)
 
 
+class EGMLALayout(NamedTuple):
+    """What the attention paths and kernels read of a layer: its heads, dims and settings, fixed when the layer is
+    built (`EGMLAAttention.layout`) and carried by every step."""
+
+    num_heads: int  # H
+    num_key_value_heads: int  # Hkv: the heads kv_b_proj rebuilds keys and values for, each serving H / Hkv
+    rope_key_heads: int  # Hr: each rope key serves H / Hr query heads
+    kv_lora_rank: int  # r
+    qk_nope_head_dim: int  # dn
+    qk_rope_head_dim: int  # dr
+    rebuilt_key_dim: int  # dk, the key dims rebuilt from the latent: dn, and in "exact" rope mode dr too
+    v_head_dim: int  # dv
+    scaling: float
+    rope_mode: str  # "decoupled" (a cached rope key) or "exact" (every rebuilt key turned at its position)
+    gate_position: str  # "kv" (the rebuilt keys and values) or "latent"
+    gate_enabled: bool
+    gate_norm: bool  # an RMS norm follows the gate
+    norm_eps: float
+    # Decoding can fold W^{UK} into the query and attend over the cached latent itself (MQA): no gate sits between
+    # the cache and the keys and no rebuilt key must be turned.
+    absorbs: bool
+
+    @classmethod
+    def of(cls, config: EGMLAConfig, layer_idx: int) -> "EGMLALayout":
+        exact = config.rope_mode == "exact"
+        return cls(
+            num_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads,
+            rope_key_heads=config.rope_key_heads,
+            kv_lora_rank=config.layer_kv_lora_rank(layer_idx),
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            rebuilt_key_dim=config.qk_nope_head_dim + (config.qk_rope_head_dim if exact else 0),
+            v_head_dim=config.v_head_dim,
+            scaling=attention_scaling(config),
+            rope_mode=config.rope_mode,
+            gate_position=config.gate_position,
+            gate_enabled=config.gate_enabled,
+            gate_norm=config.gate_enabled and config.gate_norm == "rms",
+            norm_eps=config.rms_norm_eps,
+            absorbs=config.absorbs,
+        )
+
+    @property
+    def num_key_value_groups(self) -> int:
+        return self.num_heads // self.num_key_value_heads
+
+    @property
+    def gate_on_kv(self) -> bool:
+        """A gate multiplies the rebuilt keys and values, after the cache: none of them can be absorbed."""
+        return self.gate_enabled and self.gate_position == "kv"
+
+    @property
+    def kv_norm(self) -> bool:
+        """The gated keys and values are normed (per key head, over dk+dv)."""
+        return self.gate_on_kv and self.gate_norm
+
+
 # The decode contract between this file (also remote code) and attention implementations that read the latent
 # cache themselves (egmla.kernels). While decoding, an implementation registered under a name that starts with
-# LATENT_DECODE_PREFIX is called as `function(module, None, None, None, attention_mask, latent_decode=call)` with
-# `call` an EGMLALatentDecode, and returns (output [B, S, H, dv], None), or (None, None) to leave the step to the
-# reference path (e.g. a `version` it does not know). Bump the version whenever EGMLALatentDecode changes.
+# LATENT_DECODE_PREFIX is called as `function(module, None, None, None, attention_mask, step=step)`, reads only the
+# EGMLAStep `step` (its layout and weights included, never the module), and returns (output [B, S, H, dv], None), or
+# (None, None) to leave the step to the reference path (e.g. a `version` it does not know). Bump the version
+# whenever EGMLAStep or EGMLALayout changes.
 LATENT_DECODE_PREFIX = "egmla_fused"
-LATENT_DECODE_VERSION = 5  # 5: kv_weight and gate_weight per key head ([Hkv, ...], num_key_value_heads)
+LATENT_DECODE_VERSION = 6  # 6: the step carries the layer's layout and every weight a decode path reads
 
 
-class EGMLALatentDecode(NamedTuple):
-    """One attention step over the latent (cached, or this forward's), built once per forward and given to every
-    path: the model's own and a latent-decode implementation's."""
+class EGMLAStep(NamedTuple):
+    """One attention step of a layer over the latent (cached, or this forward's), built once per forward by
+    `build_step` and given to every path: prefill and training, the model's decode paths, and a latent-decode
+    implementation's kernels. Read by name."""
 
     version: int
+    layout: EGMLALayout
     q_nope: torch.Tensor  # [B, H, S, dn]
     q_rope: torch.Tensor  # [B, H, S, dr], rotated
     latent: torch.Tensor  # [B, 1, T, r], the whole cache
@@ -623,48 +672,105 @@ class EGMLALatentDecode(NamedTuple):
     gate_rows: EGMLAGateRows | None  # for gate_position="kv": the gate-table rows of the context's T tokens
     key_rotary: tuple[torch.Tensor, torch.Tensor] | None  # "exact" rope: cos, sin [B, 1, T, dr] of cached positions
     cached_rows: torch.Tensor | None = None  # [B, 1, T, r + Hr*dr]: latent and rope key side by side, as cached
-    kv_weight: torch.Tensor | None = None  # decoding: W^{UKV} [Hkv, dk+dv, r], the effective one under an adapter
-    gate_weight: torch.Tensor | None = None  # decoding with the gate on K/V: W^{UE} [Hkv, dk+dv, de]
+    # Decoding: the weights the decode multiplies the cache by, the effective ones under an adapter (`kv_weights`).
+    kv_weight: torch.Tensor | None = None  # W^{UKV} [Hkv, dk+dv, r]
+    gate_weight: torch.Tensor | None = None  # gate on K/V: W^{UE} [Hkv, dk+dv, de]
+    norm_weight: torch.Tensor | None = None  # gate on K/V, normed: the norm's weight [dk+dv] (None under a hook)
+    uk_weight: torch.Tensor | None = None  # the layer absorbs: W^{UK} [H, dn, r] (`absorbed_weights`)
+    uv_weight: torch.Tensor | None = None  # and W^{UV} transposed, [H, r, dv]
+
+
+def kv_weights(module: "EGMLAAttention", like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """W^{UKV} [Hkv, dk+dv, r] and, with the gate on K/V, W^{UE} [Hkv, dk+dv, de]: views of the parameters, or
+    where an adapter (LoRA) or accelerate's offload hook acts only when the Linear is called, the projection of
+    the identity (the weight it applies), in `like`'s dtype."""
+    layout = module.layout
+    weights = []
+    for linear in (module.kv_b_proj, module.gate_embedding_proj if layout.gate_on_kv else None):
+        if linear is None:
+            weights.append(None)
+            continue
+        weight = linear.weight
+        if type(linear) not in (nn.Linear, EGMLAGateProjection) or hasattr(linear, "_hf_hook"):
+            weight = linear(torch.eye(linear.in_features, device=like.device, dtype=like.dtype)).T
+        weights.append(weight.view(layout.num_key_value_heads, layout.rebuilt_key_dim + layout.v_head_dim, -1))
+    return weights[0], weights[1]
+
+
+def absorbed_weights(kv_weight: torch.Tensor, layout: EGMLALayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """W^{UK} [H, dn, r] and W^{UV} transposed [H, r, dv], per query head and contiguous for the absorbed
+    decode's batched products, from W^{UKV} [Hkv, dn+dv, r]."""
+    weight = kv_weight.repeat_interleave(layout.num_key_value_groups, dim=0)  # [H, dn+dv, r]
+    uk_weight, uv_weight = weight.split([layout.qk_nope_head_dim, layout.v_head_dim], dim=1)
+    return uk_weight.contiguous(), uv_weight.transpose(1, 2).contiguous()
+
+
+def build_step(
+    module: "EGMLAAttention",
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    rope_key: torch.Tensor,
+    gate_rows: EGMLAGateRows | None = None,
+    key_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    cached_rows: torch.Tensor | None = None,
+    decoding: bool = False,
+) -> EGMLAStep:
+    """The layer's step; decoding, with the weights the decode paths read, made here once per forward (the
+    absorbed ones only where the layer absorbs)."""
+    layout, weights = module.layout, {}
+    if decoding:
+        weights["kv_weight"], weights["gate_weight"] = kv_weights(module, like=latent)
+        norm = module.gate_norm if layout.kv_norm else None
+        if norm is not None and not hasattr(norm, "_hf_hook"):  # a hook moves the weight in only when it is called
+            weights["norm_weight"] = norm.weight
+        if layout.absorbs:
+            weights["uk_weight"], weights["uv_weight"] = absorbed_weights(weights["kv_weight"], layout)
+    return EGMLAStep(
+        version=LATENT_DECODE_VERSION, layout=layout, q_nope=q_nope, q_rope=q_rope, latent=latent,
+        rope_key=rope_key, gate_rows=gate_rows, key_rotary=key_rotary, cached_rows=cached_rows, **weights,
+    )  # fmt: skip
 
 
 class EGMLAAttention(nn.Module):
     """Multi-head latent attention with an embedding gate (design note, section 2).
 
-    Prefill and training expand the latent to per-head keys and values and run the configured attention
-    function (sdpa, eager, ...): `expanded_attention`. Decoding goes through `decode_attention`: a fused kernel when
-    the implementation is an `egmla_fused*` one, else with the gate off or on the latent the absorbed MQA over the
-    cached `[latent ; rope key]` without any expansion, and with the gate on K/V (or RoPE-exact keys) the
-    re-expansion of every cached latent with the gate rebuilt from the cached token ids.
+    Each forward builds one `EGMLAStep` (queries, latent, rope keys, the layer's `layout`, and while decoding the
+    weights the decode reads) and hands it to a path. Prefill and training expand the latent to per-head keys and
+    values and run the configured attention function (sdpa, eager, ...): `expanded_attention`. Decoding goes
+    through `decode_attention`: a fused kernel when the implementation is an `egmla_fused*` one, else with the gate
+    off or on the latent the absorbed MQA over the cached `[latent ; rope key]` without any expansion, and with the
+    gate on K/V (or RoPE-exact keys) the re-expansion of every cached latent with the gate rebuilt from the cached
+    token ids.
     """
 
     def __init__(self, config: EGMLAConfig, layer_idx: int):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_key_value_heads = config.num_key_value_heads  # the heads kv_b_proj rebuilds keys and values for
+        # What the attention paths and kernels read of this layer, fixed here; the attributes below repeat it.
+        self.layout = layout = EGMLALayout.of(config, layer_idx)
+        self.num_heads = layout.num_heads
+        self.num_key_value_heads = layout.num_key_value_heads  # the heads kv_b_proj rebuilds keys and values for
         self.q_lora_rank = config.q_lora_rank
-        self.kv_lora_rank = config.layer_kv_lora_rank(layer_idx)
-        self.qk_nope_head_dim = config.qk_nope_head_dim
-        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.kv_lora_rank = layout.kv_lora_rank
+        self.qk_nope_head_dim = layout.qk_nope_head_dim
+        self.qk_rope_head_dim = layout.qk_rope_head_dim
         self.qk_head_dim = config.qk_head_dim
-        self.v_head_dim = config.v_head_dim
-        self.rope_key_heads = config.rope_key_heads
-        self.rope_mode = config.rope_mode
+        self.v_head_dim = layout.v_head_dim
+        self.rope_key_heads = layout.rope_key_heads
+        self.rope_mode = layout.rope_mode
         self.rope_key_width = config.rope_key_width  # cached rope key values per token (0 in "exact" mode)
-        # Per head, the key dims rebuilt from the latent: the NoPE dims, and in "exact" mode the rope dims too.
-        self.rebuilt_key_dim = self.qk_nope_head_dim + (self.qk_rope_head_dim if self.rope_mode == "exact" else 0)
+        self.rebuilt_key_dim = layout.rebuilt_key_dim
         # Which of the F rotary dims each rope key head (and its query group) uses; None = all F, one for all.
         self.rope_dims = rotary_dims(config, layer_idx)
         self.rope_dims_tensor: torch.Tensor | None = None
-        self.gate_position = config.gate_position
-        # Decoding can fold W^{UK} into the query and attend over the cached latent itself (MQA) when no gate sits
-        # between the cache and the keys and no rebuilt key must be rotated.
-        self.absorbs = config.absorbs
+        self.gate_position = layout.gate_position
+        self.absorbs = layout.absorbs
         self.attention_dropout = config.attention_dropout
-        self.scaling = attention_scaling(config)
+        self.scaling = layout.scaling
         self.is_causal = True
-        self.num_key_value_groups = self.num_heads // self.num_key_value_heads  # query heads per key head (GQA)
+        self.num_key_value_groups = layout.num_key_value_groups  # query heads per key head (GQA)
 
         if config.q_lora_rank is None:
             self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.qk_head_dim, bias=config.attention_bias)
@@ -714,11 +820,6 @@ class EGMLAAttention(nn.Module):
         """states [B, T, W] * (1 + W^{UE} e) [B, T, W], the product computed once per row and gathered."""
         return states * gate_block(1 + self.gate_embedding_proj(gate_rows.rows), gate_rows, 0, gate_rows.length)
 
-    def kv_b_weight(self, like: torch.Tensor) -> torch.Tensor:
-        """W^{UKV} as [Hkv, dk+dv, r] (dk = the key dims rebuilt from the latent)."""
-        weight = linear_weight(self.kv_b_proj, self.kv_lora_rank, like)
-        return weight.view(self.num_key_value_heads, self.rebuilt_key_dim + self.v_head_dim, self.kv_lora_rank)
-
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
@@ -767,10 +868,8 @@ class EGMLAAttention(nn.Module):
         # SDPA's top-left causal mask over the expanded heads is exact there, the decode paths' bottom-right is not.
         decoding = cache is not None and not self.training and latent.shape[2] > seq_length
         decoding = decoding and (seq_length == 1 or attention_mask is not None)
-        weights = decode_weights(self, like=latent) if decoding else ()
-        step = EGMLALatentDecode(
-            LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, gate_rows, key_rotary, cached_rows, *weights
-        )
+        step = build_step(self, q_nope, q_rope, latent, rope_key, gate_rows=gate_rows, key_rotary=key_rotary,
+                          cached_rows=cached_rows, decoding=decoding)  # fmt: skip
         if decoding:
             attn_output, attn_weights = decode_attention(self, step, attention_mask, **kwargs)
         else:
@@ -780,19 +879,9 @@ class EGMLAAttention(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Decode paths: the attention algorithms over the latent, as functions of the layer and the step
+# Attention paths: the algorithms over the latent, as functions of the step (and of the layer where its modules
+# are called: the expansion, and the attention implementation's function)
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def decode_weights(module: "EGMLAAttention", like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What a decode path multiplies the cache by: W^{UKV} [Hkv, dk+dv, r] and, with the gate on K/V, W^{UE}
-    [Hkv, dk+dv, de] (views of the parameters; under an adapter or offload hook, their effective weights)."""
-    kv_weight = module.kv_b_weight(like=like)
-    gate = module.gate_embedding_proj if module.gate_position == "kv" else None
-    if gate is None:
-        return kv_weight, None
-    gate_weight = linear_weight(gate, gate.in_features, like)
-    return kv_weight, gate_weight.view(module.num_key_value_heads, kv_weight.shape[1], -1)
 
 
 def expand_kv(
@@ -806,30 +895,30 @@ def expand_kv(
 
     In "exact" mode the rope dims come from the latent too, rotated by `key_rotary` (cos, sin of every cached
     token's position, [B, 1, T, dr])."""
+    layout = module.layout
     batch_size, _, seq_length, _ = latent.shape
     kv = module.kv_b_proj(latent[:, 0])  # [B, T, Hkv*(dk+dv)], dk = rebuilt key dims; called: adapters act
-    if module.gate_position == "kv" and module.gate_embedding_proj is not None:
+    if layout.gate_on_kv:
         kv = kv * gate_block(1 + module.gate_embedding_proj(gate_rows.rows), gate_rows, 0, seq_length)
-    kv = kv.view(batch_size, seq_length, module.num_key_value_heads, module.rebuilt_key_dim + module.v_head_dim)
-    if module.gate_position == "kv" and module.gate_norm is not None:
+    kv = kv.view(batch_size, seq_length, layout.num_key_value_heads, layout.rebuilt_key_dim + layout.v_head_dim)
+    if layout.kv_norm:
         kv = module.gate_norm(kv)
-    key, value = kv.transpose(1, 2).split([module.rebuilt_key_dim, module.v_head_dim], dim=-1)
-    if module.rope_mode == "exact":
-        return rotate_key(module, key, key_rotary), value
-    k_rope = rope_key.view(batch_size, seq_length, module.rope_key_heads, module.qk_rope_head_dim).transpose(1, 2)
-    k_rope = k_rope.repeat_interleave(module.num_key_value_heads // module.rope_key_heads, dim=1)  # [B, Hkv, T, dr]
+    key, value = kv.transpose(1, 2).split([layout.rebuilt_key_dim, layout.v_head_dim], dim=-1)
+    if layout.rope_mode == "exact":
+        return rotate_key(layout, key, key_rotary), value
+    k_rope = rope_key.view(batch_size, seq_length, layout.rope_key_heads, layout.qk_rope_head_dim).transpose(1, 2)
+    k_rope = k_rope.repeat_interleave(layout.num_key_value_heads // layout.rope_key_heads, dim=1)  # [B, Hkv, T, dr]
     return torch.cat([key, k_rope], dim=-1), value
 
 
 def expanded_attention(
     module: "EGMLAAttention",
-    step: EGMLALatentDecode,
+    step: EGMLAStep,
     attention_mask: torch.Tensor | None,
     **kwargs: Unpack[TransformersKwargs],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The configured attention function (sdpa, eager, ...) over per-head keys and values expanded from the
     latent: prefill, training, and decoding that cannot absorb."""
-    q_nope, q_rope = step.q_nope, step.q_rope
     key, value = expand_kv(module, step.latent, step.rope_key, step.gate_rows, step.key_rotary)
     implementation = module.config._attn_implementation
     attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
@@ -840,20 +929,20 @@ def expanded_attention(
         value = nn.functional.pad(value, (0, padding))
     attn_output, attn_weights = attention_interface(
         module,
-        torch.cat([q_nope, q_rope], dim=-1),
+        torch.cat([step.q_nope, step.q_rope], dim=-1),
         key,
         value,
         attention_mask,
         dropout=0.0 if not module.training else module.attention_dropout,
-        scaling=module.scaling,
+        scaling=step.layout.scaling,
         **kwargs,
     )
-    return attn_output[..., : module.v_head_dim], attn_weights
+    return attn_output[..., : step.layout.v_head_dim], attn_weights
 
 
 def decode_attention(
     module: "EGMLAAttention",
-    step: EGMLALatentDecode,
+    step: EGMLAStep,
     attention_mask: torch.Tensor | None,
     **kwargs: Unpack[TransformersKwargs],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -863,44 +952,20 @@ def decode_attention(
     no absorption; "exact" rope: every rebuilt key is rotated)."""
     implementation = module.config._attn_implementation
     if implementation.startswith(LATENT_DECODE_PREFIX):
-        output, _ = ALL_ATTENTION_FUNCTIONS[implementation](
-            module, None, None, None, attention_mask, latent_decode=step
-        )
+        output, _ = ALL_ATTENTION_FUNCTIONS[implementation](module, None, None, None, attention_mask, step=step)
         if output is not None:
             return output, None
     need_weights = implementation == "eager" or bool(kwargs.get("output_attentions"))
-    if module.absorbs:
-        return absorbed_attention(module, step, attention_mask, need_weights)
-    if need_weights:  # the attention weights, where asked for
+    if step.layout.absorbs:
+        return absorbed_attention(step, attention_mask, need_weights)
+    # The attention weights where asked for; and the expansion calls the gate norm, which an offload hook holds.
+    if need_weights or (step.layout.kv_norm and step.norm_weight is None):
         return expanded_attention(module, step, attention_mask, **kwargs)
-    return blocked_attention(module, step, attention_mask)
-
-
-def absorbed_weights(
-    module: "EGMLAAttention", like: torch.Tensor, weight: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """W^{UK} as [H, dn, r] and W^{UV} transposed as [H, r, dv] (per query head), contiguous for the absorbed
-    decode's batched products, from W^{UKV} [Hkv, dn+dv, r] (`weight`, the step's, else the layer's); made once per
-    weight version and kept while no gradient flows (an adapter's effective weight, or a weight being trained, is
-    made at every call)."""
-    weight = module.kv_b_weight(like=like) if weight is None else weight
-    parameter = plain_weight(module.kv_b_proj)  # an adapter's weight is made anew at each call: never kept
-    reusable = parameter is not None and not torch.compiler.is_compiling()
-    reusable = reusable and not (torch.is_grad_enabled() and parameter.requires_grad)
-    key = (parameter.data_ptr(), parameter._version, parameter.dtype, parameter.device) if reusable else None
-    cached = getattr(module, "_absorbed_weights", None)
-    if key is not None and cached is not None and cached[0] == key:
-        return cached[1]
-    weight = weight.repeat_interleave(module.num_key_value_groups, dim=0)  # [H, dn+dv, r]
-    w_uk, w_uv = weight.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)
-    weights = (w_uk.contiguous(), w_uv.transpose(1, 2).contiguous())
-    if key is not None:
-        module._absorbed_weights = (key, weights)
-    return weights
+    return blocked_attention(step, attention_mask)
 
 
 def absorbed_attention(
-    module: "EGMLAAttention", step: EGMLALatentDecode, attention_mask: torch.Tensor | None, need_weights: bool = False
+    step: EGMLAStep, attention_mask: torch.Tensor | None, need_weights: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """MQA over the cached latent (W^{UK} folded into the query, W^{UV} applied after the weighted sum): by SDPA
     over the cached rows `[latent ; rope key]` where the cache keeps them side by side and one rope key serves
@@ -908,22 +973,22 @@ def absorbed_attention(
 
     Returns the output [B, S, H, dv] and the attention weights [B, H, S, T] (None from SDPA).
     """
+    layout = step.layout
     batch_size, heads, query_length, _ = step.q_nope.shape
-    w_uk, w_uv = absorbed_weights(module, step.latent, step.kv_weight)  # [H, dn, r], [H, r, dv]
     q_nope = step.q_nope.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
-    q_latent = torch.bmm(q_nope, w_uk).view(heads, batch_size, query_length, -1).transpose(0, 1)  # [B, H, S, r]
-    rows = step.cached_rows if step.rope_key.shape[-1] and not need_weights and module.rope_key_heads == 1 else None
+    q_latent = torch.bmm(q_nope, step.uk_weight).view(heads, batch_size, query_length, -1).transpose(0, 1)
+    rows = step.cached_rows if step.rope_key.shape[-1] and not need_weights and layout.rope_key_heads == 1 else None
     if rows is not None:
-        out_latent, probs = latent_sdpa(q_latent, step.q_rope, rows, attention_mask, module.scaling), None
+        out_latent, probs = latent_sdpa(q_latent, step.q_rope, rows, attention_mask, layout.scaling), None
     else:
-        out_latent, probs = latent_attention(module, q_latent, step.q_rope, step.latent, step.rope_key, attention_mask)
+        out_latent, probs = latent_attention(layout, q_latent, step.q_rope, step.latent, step.rope_key, attention_mask)
     out_latent = out_latent.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
-    output = torch.bmm(out_latent, w_uv)  # [H, B*S, dv]
+    output = torch.bmm(out_latent, step.uv_weight)  # [H, B*S, dv]
     return output.view(heads, batch_size, query_length, -1).permute(1, 2, 0, 3), probs
 
 
 def latent_attention(
-    module: "EGMLAAttention",
+    layout: EGMLALayout,
     q_latent: torch.Tensor,
     q_rope: torch.Tensor,
     latent: torch.Tensor,
@@ -931,40 +996,38 @@ def latent_attention(
     attention_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax of q_latent . latent + q_rope . rope key over the cache: q_latent [B, H, S, r] -> the weighted
-    sum of latents [B, H, S, r] and the weights [B, H, S, T]."""
+    sum of latents [B, H, S, r] and the weights [B, H, S, T] (no dropout: a layer decodes in eval mode only)."""
     batch_size, heads, query_length, rank = q_latent.shape
     key_length = latent.shape[2]
     latent = latent[:, 0]  # [B, T, r], shared by every head
     # The scale goes on the queries ([B, H, S, .]), not on the scores ([B, H, S, T]).
-    rope_scores = rope_key_scores(module, q_rope * module.scaling, rope_key)  # [B, H, S, T]
-    q_latent = (q_latent * module.scaling).reshape(batch_size, heads * query_length, rank)
+    rope_scores = rope_key_scores(layout, q_rope * layout.scaling, rope_key)  # [B, H, S, T]
+    q_latent = (q_latent * layout.scaling).reshape(batch_size, heads * query_length, rank)
     # The query heads fold into the rows of one batched product (no head copies the latent), the rope scores
     # added inside it.
     scores = torch.baddbmm(rope_scores.view(batch_size, heads * query_length, key_length), q_latent, latent.mT)
     scores = mask_scores(scores.view(batch_size, heads, query_length, key_length), attention_mask)
     probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
-    probs = nn.functional.dropout(probs, p=module.attention_dropout, training=module.training)
     out_latent = torch.bmm(probs.view(batch_size, heads * query_length, key_length), latent)  # [B, H*S, r]
     return out_latent.view(batch_size, heads, query_length, rank), probs
 
 
-def rope_key_scores(module: "EGMLAAttention", q_rope: torch.Tensor, rope_key: torch.Tensor) -> torch.Tensor:
+def rope_key_scores(layout: EGMLALayout, q_rope: torch.Tensor, rope_key: torch.Tensor) -> torch.Tensor:
     """q_rope [B, H, S, dr] . rope_key [B, 1, T, Hr*dr] -> [B, H, S, T]: each rope key serves its group of
     query heads, folded into the rows of one batched product (no copy per head)."""
     batch_size, heads, query_length, _ = q_rope.shape
-    key_length, group = rope_key.shape[2], heads // module.rope_key_heads
-    if module.rope_key_heads == 1:  # one rope key for all heads: the cache is read where it lies, not copied
-        q_rope = q_rope.reshape(batch_size, heads * query_length, module.qk_rope_head_dim)
+    rope_heads, rope_dim = layout.rope_key_heads, layout.qk_rope_head_dim
+    key_length, group = rope_key.shape[2], heads // rope_heads
+    if rope_heads == 1:  # one rope key for all heads: the cache is read where it lies, not copied
+        q_rope = q_rope.reshape(batch_size, heads * query_length, rope_dim)
         return torch.bmm(q_rope, rope_key[:, 0].mT).view(batch_size, heads, query_length, key_length)
-    q_rope = q_rope.reshape(batch_size * module.rope_key_heads, group * query_length, module.qk_rope_head_dim)
-    k_rope = rope_key[:, 0].view(batch_size, key_length, module.rope_key_heads, module.qk_rope_head_dim)
-    k_rope = k_rope.permute(0, 2, 3, 1).reshape(batch_size * module.rope_key_heads, module.qk_rope_head_dim, -1)
+    q_rope = q_rope.reshape(batch_size * rope_heads, group * query_length, rope_dim)
+    k_rope = rope_key[:, 0].view(batch_size, key_length, rope_heads, rope_dim)
+    k_rope = k_rope.permute(0, 2, 3, 1).reshape(batch_size * rope_heads, rope_dim, -1)
     return torch.bmm(q_rope, k_rope).view(batch_size, heads, query_length, key_length)
 
 
-def blocked_attention(
-    module: "EGMLAAttention", step: EGMLALatentDecode, attention_mask: torch.Tensor | None
-) -> tuple[torch.Tensor, None]:
+def blocked_attention(step: EGMLAStep, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, None]:
     """The re-expansion decode, DECODE_BLOCK cached positions at a time with an online softmax (flash-decoding
     in PyTorch): each block's expanded K/V is used while it is in fast memory, instead of the whole context
     expanded into main memory and read back pass after pass (`egmla bench decode` measures it). Keys are rebuilt
@@ -972,64 +1035,103 @@ def blocked_attention(
     gate sits on the values (RoPE-exact keys, the gate off or on the latent) only the keys are rebuilt: the weights
     sum the cached latents, and W^{UV} is applied once after. New queries [B, H, S, .] over the cache; returns
     [B, S, H, dv]."""
-    q_nope, q_rope, latent, rope_key, gate_rows, key_rotary = step[1:7]
-    batch_size, heads, query_length, _ = q_nope.shape
-    key_heads, key_length = module.num_key_value_heads, latent.shape[2]
+    layout, latent = step.layout, step.latent
+    batch_size, heads, query_length, _ = step.q_nope.shape
+    key_length = latent.shape[2]
+    fold_norm = folds_gate_norm(step)
+    query, rope_scores = blocked_query(step, fold_norm)  # [B, Hkv, M, .], M = the group's heads x S rows
+    kv_weight, uv_weight = step.kv_weight, None  # [Hkv, dk+dv, r]
+    if not layout.gate_on_kv:  # the weights sum the cached latents themselves
+        kv_weight, uv_weight = kv_weight.split([layout.rebuilt_key_dim, layout.v_head_dim], dim=1)
     gate = None  # [U, Hkv*(dk+dv)], once per distinct token; with a row per position, computed block by block
-    if module.gate_position == "kv" and module.gate_embedding_proj is not None and gate_rows.index is not None:
-        gate = 1 + module.gate_embedding_proj(gate_rows.rows)
-    rope_scores = None  # decoupled rope keys are cached as used: their scores [B, Hkv, M, T] in one product
-    if module.rope_mode == "decoupled":
-        rope_scores = key_head_rows(rope_key_scores(module, q_rope, rope_key), key_heads)
-    fold_norm = folds_gate_norm(module, decoupled=rope_scores is not None)
-    if fold_norm:
-        key_weight, value_weight = module.gate_norm.weight.split([module.rebuilt_key_dim, module.v_head_dim])
-        q_nope = q_nope * key_weight
-    query = torch.cat([q_nope, q_rope], dim=-1) if rope_scores is None else q_nope
-    query = key_head_rows(query, key_heads)  # [B, Hkv, M, .], M = the group's heads x S rows
-    kv_weight = step.kv_weight  # [Hkv, dk+dv, r]
-    absorbs_values = module.gate_position != "kv" or module.gate_embedding_proj is None
-    if absorbs_values:
-        kv_weight, up_value = kv_weight.split([module.rebuilt_key_dim, module.v_head_dim], dim=1)
-    attention_mask = key_head_mask(attention_mask, heads // key_heads, query_length, key_length, latent.device)
-    rows = query.shape[2]
-    running_max = q_nope.new_full((batch_size, key_heads, rows, 1), float("-inf"), dtype=torch.float32)
-    running_sum = torch.zeros_like(running_max)
-    width = module.kv_lora_rank if absorbs_values else module.v_head_dim  # of what the weights sum
-    output = q_nope.new_zeros(batch_size, key_heads, rows, width, dtype=torch.float32)
+    if layout.gate_on_kv and step.gate_rows.index is not None:
+        gate = 1 + gate_product(step, step.gate_rows.rows)
+    mask = key_head_mask(attention_mask, layout.num_key_value_groups, query_length, key_length, latent.device)
+    width = layout.kv_lora_rank if uv_weight is not None else layout.v_head_dim  # of what the weights sum
+    running = online_softmax_start(query, width)
     for start in range(0, key_length, DECODE_BLOCK):
         end = min(start + DECODE_BLOCK, key_length)
-        block_gate = gate_of_block(module, gate, gate_rows, start, end)
-        kv = rebuild_block(module, latent[:, :, start:end], block_gate, kv_weight, normed=not fold_norm)
-        if absorbs_values:  # the weights sum the cached latents themselves
-            key, value = kv, latent[:, :, start:end]
-        else:
-            key, value = kv.split([module.rebuilt_key_dim, module.v_head_dim], dim=-1)
-        norm_scale = gate_norm_scale(module, kv).unsqueeze(2) if fold_norm else 1.0  # [B, Hkv, 1, t]
-        if rope_scores is None:  # "exact" rope: the rebuilt rope dims turn with each cached position
-            rotary = tuple(part[:, :, start:end] for part in key_rotary)
-            scores = torch.matmul(query, rotate_key(module, key, rotary).mT)
-        else:
-            scores = torch.matmul(query, key.mT) * norm_scale + rope_scores[..., start:end]
-        scores = scores.float() * module.scaling
-        if attention_mask is not None:  # (None: one new token, which sees every cached one)
-            scores = mask_scores(scores, attention_mask[..., start:end])
-        block_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
-        # A row masked out so far keeps -inf as its maximum: its rescale is 1 and its weights 0, not NaN.
-        safe_max = block_max.masked_fill(torch.isinf(block_max), 0.0)
-        probs = torch.exp(scores - safe_max)
-        rescale = torch.exp(running_max - safe_max)
-        running_sum = running_sum * rescale + probs.sum(dim=-1, keepdim=True)
-        weights = probs * norm_scale if fold_norm else probs
-        output = output * rescale + torch.matmul(weights.to(value.dtype), value).float()
-        running_max = block_max
+        kv = rebuild_block(step, latent[:, :, start:end], gate_of_block(step, gate, start, end), kv_weight,
+                           normed=not fold_norm)  # fmt: skip
+        norm_scale = gate_norm_scale(kv, layout.norm_eps).unsqueeze(2) if fold_norm else None  # [B, Hkv, 1, t]
+        scores, value = block_scores(step, query, kv, rope_scores, norm_scale, start, end)
+        if mask is not None:  # (None: one new token, which sees every cached one)
+            scores = mask_scores(scores, mask[..., start:end])
+        running = online_softmax_block(running, scores, value, norm_scale)
+    _, running_sum, output = running
     output = output / running_sum
     if fold_norm:
-        output = output * value_weight
-    if absorbs_values:  # [B, Hkv, M, r] -> [B, Hkv, M, dv], per key head
-        output = torch.einsum("bgmr,gvr->bgmv", output, up_value.float())
+        output = output * step.norm_weight[layout.rebuilt_key_dim :]
+    if uv_weight is not None:  # [B, Hkv, M, r] -> [B, Hkv, M, dv], per key head
+        output = torch.einsum("bgmr,gvr->bgmv", output, uv_weight.float())
     output = output.reshape(batch_size, heads, query_length, -1)  # the rows back to their query heads
-    return output.to(q_nope.dtype).transpose(1, 2), None
+    return output.to(step.q_nope.dtype).transpose(1, 2), None
+
+
+def blocked_query(step: EGMLAStep, fold_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The queries as each key head's rows [B, Hkv, M, .] and, with decoupled rope, the rope scores [B, Hkv, M, T]
+    of every cached position in one product (the rope keys are cached as used); a folded gate norm's key weight
+    goes onto the queries."""
+    layout, q_nope = step.layout, step.q_nope
+    if fold_norm:
+        q_nope = q_nope * step.norm_weight[: layout.rebuilt_key_dim]
+    if layout.rope_mode == "exact":
+        return key_head_rows(torch.cat([q_nope, step.q_rope], dim=-1), layout.num_key_value_heads), None
+    rope_scores = rope_key_scores(layout, step.q_rope, step.rope_key)
+    return key_head_rows(q_nope, layout.num_key_value_heads), key_head_rows(rope_scores, layout.num_key_value_heads)
+
+
+def block_scores(
+    step: EGMLAStep,
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    rope_scores: torch.Tensor | None,
+    norm_scale: torch.Tensor | None,
+    start: int,
+    end: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scaled float32 scores [B, Hkv, M, t] of cached positions start..end, from their rebuilt rows `kv`, and
+    the values they weight: the rebuilt values, or where none are rebuilt the cached latents."""
+    layout = step.layout
+    if layout.gate_on_kv:
+        key, value = kv.split([layout.rebuilt_key_dim, layout.v_head_dim], dim=-1)
+    else:
+        key, value = kv, step.latent[:, :, start:end]
+    if rope_scores is None:  # "exact" rope: the rebuilt rope dims turn with each cached position
+        rotary = tuple(part[:, :, start:end] for part in step.key_rotary)
+        scores = torch.matmul(query, rotate_key(layout, key, rotary).mT)
+    else:
+        scores = torch.matmul(query, key.mT)
+        scores = (scores if norm_scale is None else scores * norm_scale) + rope_scores[..., start:end]
+    return scores.float() * layout.scaling, value
+
+
+def online_softmax_start(query: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The running maximum and sum [B, Hkv, M, 1] and weighted sum [B, Hkv, M, width] before the first block."""
+    batch_size, key_heads, rows, _ = query.shape
+    running_max = query.new_full((batch_size, key_heads, rows, 1), float("-inf"), dtype=torch.float32)
+    output = query.new_zeros(batch_size, key_heads, rows, width, dtype=torch.float32)
+    return running_max, torch.zeros_like(running_max), output
+
+
+def online_softmax_block(
+    running: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scores: torch.Tensor,
+    value: torch.Tensor,
+    norm_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The running maximum, sum and weighted sum after one more block of scores [B, Hkv, M, t] and values
+    [.., t, W]; `norm_scale` (the folded gate norm's) scales the weights, not the sum."""
+    running_max, running_sum, output = running
+    block_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
+    # A row masked out so far keeps -inf as its maximum: its rescale is 1 and its weights 0, not NaN.
+    safe_max = block_max.masked_fill(torch.isinf(block_max), 0.0)
+    probs = torch.exp(scores - safe_max)
+    rescale = torch.exp(running_max - safe_max)
+    running_sum = running_sum * rescale + probs.sum(dim=-1, keepdim=True)
+    weights = probs if norm_scale is None else probs * norm_scale
+    output = output * rescale + torch.matmul(weights.to(value.dtype), value).float()
+    return block_max, running_sum, output
 
 
 def key_head_mask(
@@ -1051,56 +1153,52 @@ def key_head_rows(states: torch.Tensor, key_heads: int) -> torch.Tensor:
     return states.reshape(batch_size, key_heads, heads // key_heads * query_length, width)
 
 
-def folds_gate_norm(module: "EGMLAAttention", decoupled: bool) -> bool:
+def folds_gate_norm(step: EGMLAStep) -> bool:
     """Whether the blocked decode folds the gate norm's weight into the query (keys) and onto the output
     (values), and its per-position scale into the scores and weights: two passes fewer over each block. Not in
-    "exact" rope mode (the normed keys are turned), nor under an offload hook (it materializes the weight only
-    when the norm is called)."""
-    norm = module.gate_norm
-    return decoupled and module.gate_position == "kv" and norm is not None and not hasattr(norm, "_hf_hook")
+    "exact" rope mode, where the normed keys are turned."""
+    return step.layout.rope_mode == "decoupled" and step.norm_weight is not None
 
 
-def gate_of_block(
-    module: "EGMLAAttention", gate: torch.Tensor | None, gate_rows: EGMLAGateRows | None, start: int, end: int
-) -> torch.Tensor | None:
+def gate_product(step: EGMLAStep, rows: torch.Tensor) -> torch.Tensor:
+    """W^{UE} e [.., Hkv*(dk+dv)] of gate-table rows [.., de], by the step's W^{UE}."""
+    return nn.functional.linear(rows, step.gate_weight.flatten(0, 1))
+
+
+def gate_of_block(step: EGMLAStep, gate: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
     """The gate on K/V [B, t, Hkv*(dk+dv)] of cached positions start..end (None with no gate on K/V)."""
+    gate_rows = step.gate_rows
     if gate is not None:
         return gate_block(gate, gate_rows, start, end)
-    if module.gate_position != "kv" or module.gate_embedding_proj is None:
+    if not step.layout.gate_on_kv:
         return None
     rows = gate_rows.rows.view(gate_rows.batch_size, gate_rows.length, -1)[:, start:end]
-    return 1 + module.gate_embedding_proj(rows)  # made while the block is used: [B*T, Hkv*(dk+dv)] never is
+    return 1 + gate_product(step, rows)  # made while the block is used: [B*T, Hkv*(dk+dv)] never is
 
 
 def rebuild_block(
-    module: "EGMLAAttention",
-    latent: torch.Tensor,
-    gate: torch.Tensor | None,
-    kv_weight: torch.Tensor,
-    normed: bool = True,
+    step: EGMLAStep, latent: torch.Tensor, gate: torch.Tensor | None, kv_weight: torch.Tensor, normed: bool = True
 ) -> torch.Tensor:
     """latent [B, 1, t, r] and its gate [B, t, Hkv*(dk+dv)] -> the rebuilt key dims and values [B, Hkv, t, dk+dv],
     gated (and normed), made per key head by one product with W^{UKV} [Hkv, dk+dv, r] (no transpose copy after)."""
     batch_size, _, seq_length, _ = latent.shape
     kv = torch.einsum("btr,hcr->bhtc", latent[:, 0], kv_weight)
     if gate is not None:
-        kv = kv * gate.view(batch_size, seq_length, module.num_key_value_heads, -1).transpose(1, 2)
-    if normed and module.gate_position == "kv" and module.gate_norm is not None:
-        kv = module.gate_norm(kv)
+        kv = kv * gate.view(batch_size, seq_length, step.layout.num_key_value_heads, -1).transpose(1, 2)
+    if normed and step.norm_weight is not None:
+        kv = rms_norm(kv, step.norm_weight, step.layout.norm_eps)
     return kv
 
 
-def gate_norm_scale(module: "EGMLAAttention", kv: torch.Tensor) -> torch.Tensor:
+def gate_norm_scale(kv: torch.Tensor, eps: float) -> torch.Tensor:
     """The gate norm's scale 1 / rms [B, Hkv, t] of each position's gated K/V [B, Hkv, t, dk+dv], in float32."""
     mean_square = torch.linalg.vector_norm(kv.float(), dim=-1).square() / kv.shape[-1]  # one pass, no kv**2
-    return torch.rsqrt(mean_square + module.gate_norm.variance_epsilon)
+    return torch.rsqrt(mean_square + eps)
 
 
-def rotate_key(
-    module: "EGMLAAttention", key: torch.Tensor, key_rotary: tuple[torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
+def rotate_key(layout: EGMLALayout, key: torch.Tensor, key_rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """ "exact" rope: the rebuilt keys [B, Hkv, t, dn+dr] with their rope dims turned by cos, sin [B, 1, t, dr]."""
-    k_nope, k_rope = key.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
+    k_nope, k_rope = key.split([layout.qk_nope_head_dim, layout.qk_rope_head_dim], dim=-1)
     return torch.cat([k_nope, apply_rotary(k_rope, *key_rotary)], dim=-1)
 
 
@@ -1381,8 +1479,9 @@ __all__ = [
     "EGMLAForCausalLM",
     "EGMLAGateRows",
     "EGMLALatentCacheLayer",
-    "EGMLALatentDecode",
+    "EGMLALayout",
     "EGMLAModel",
     "EGMLAPreTrainedModel",
+    "EGMLAStep",
     "cache_nbytes",
 ]

@@ -1,5 +1,6 @@
 """Fused decode kernels: Triton (through its CPU interpreter) and the compiled CPU path against the reference."""
 
+import copy
 import importlib.util
 import logging
 import os
@@ -13,10 +14,10 @@ from egmla.kernels.interface import KVDecodeInputs, KVDecodeWeights, LatentDecod
 from egmla.modeling_egmla import (
     LATENT_DECODE_VERSION,
     EGMLAGateRows,
-    EGMLALatentDecode,
+    EGMLAStep,
     absorbed_attention,
     blocked_attention,
-    decode_weights,
+    build_step,
     eager_attention_forward,
     expand_kv,
     expanded_attention,
@@ -59,8 +60,8 @@ def attention_module(
 
 
 def decode_step(module, batch_size: int, key_length: int, query_length: int, padding: int, dtype=torch.float32):
-    """Random rotated queries and cache contents for a decode step (the model's decode call, gate rows one per
-    position) and the bool mask [B, S, T]."""
+    """Random rotated queries and cache contents for a decode step, built as the model builds it (gate rows one per
+    position), and the bool mask [B, S, T]."""
     generator = torch.Generator().manual_seed(key_length)
 
     def randn(*shape):
@@ -76,29 +77,24 @@ def decode_step(module, batch_size: int, key_length: int, query_length: int, pad
         gate_rows = EGMLAGateRows(randn(batch_size * key_length, gate_width), None, batch_size, key_length)
     mask = kernels.bool_mask(None, batch_size, query_length, key_length, "cpu").clone()
     mask[0, :, :padding] = False  # the first row is left-padded
-    weights = decode_weights(module, like=latent)
-    return EGMLALatentDecode(
-        LATENT_DECODE_VERSION, q_nope, q_rope, latent, rope_key, gate_rows, None, None, *weights
-    ), mask
+    return build_step(module, q_nope, q_rope, latent, rope_key, gate_rows=gate_rows, decoding=True), mask
 
 
-def in_float32(call: EGMLALatentDecode) -> EGMLALatentDecode:
-    rows = call.gate_rows
+def in_float32(step: EGMLAStep) -> EGMLAStep:
+    """The step with every tensor (queries, cache contents, weights) in float32."""
+    tensors = {name: value.float() for name, value in step._asdict().items() if isinstance(value, torch.Tensor)}
+    rows = step.gate_rows
     rows = rows._replace(rows=rows.rows.float()) if rows is not None else None
-    return call._replace(
-        q_nope=call.q_nope.float(), q_rope=call.q_rope.float(), latent=call.latent.float(),
-        rope_key=call.rope_key.float(), gate_rows=rows, kv_weight=call.kv_weight.float(),
-        gate_weight=call.gate_weight.float() if call.gate_weight is not None else None,
-    )  # fmt: skip
+    return step._replace(**tensors, gate_rows=rows)
 
 
-def reference(module, call: EGMLALatentDecode, mask: torch.Tensor) -> torch.Tensor:
+def reference(module, step: EGMLAStep, mask: torch.Tensor) -> torch.Tensor:
     """The model's own (eager) decode path: the absorbed MQA where it is exact, else the re-expansion."""
     if module.absorbs:
-        return absorbed_attention(module, call, mask[:, None])[0]
-    key, value = expand_kv(module, call.latent, call.rope_key, call.gate_rows, call.key_rotary)
-    additive = torch.zeros(mask.shape, dtype=call.q_nope.dtype).masked_fill(~mask, torch.finfo(call.q_nope.dtype).min)
-    query = torch.cat([call.q_nope, call.q_rope], dim=-1)
+        return absorbed_attention(step, mask[:, None])[0]
+    key, value = expand_kv(module, step.latent, step.rope_key, step.gate_rows, step.key_rotary)
+    additive = torch.zeros(mask.shape, dtype=step.q_nope.dtype).masked_fill(~mask, torch.finfo(step.q_nope.dtype).min)
+    query = torch.cat([step.q_nope, step.q_rope], dim=-1)
     return eager_attention_forward(module, query, key, value, additive[:, None], scaling=module.scaling)[0]
 
 
@@ -114,10 +110,10 @@ def test_triton_kernels_equal_the_reference(
     gate_position, key_length, query_length, rope_key_heads, gate_dim, gate_norm, padding, dtype, tolerance
 ):
     module = attention_module(gate_position, rope_key_heads, gate_dim, gate_norm, dtype)
-    call, mask = decode_step(module, 2, key_length, query_length, padding, dtype)
+    step, mask = decode_step(module, 2, key_length, query_length, padding, dtype)
     # The reference runs in fp32 on the same (rounded) weights and inputs.
-    expected = reference(module.float(), in_float32(call), mask)
-    output = kernels.fused_decode(module.to(dtype), call, mask[:, None], "triton")
+    expected = reference(copy.deepcopy(module).float(), in_float32(step), mask)
+    output = kernels.fused_decode(step, mask[:, None], "triton")
     assert output.dtype == dtype and output.shape == expected.shape
     assert torch.isfinite(output).all()
     assert relative_error(output, expected) <= tolerance
@@ -129,23 +125,22 @@ def test_unwritten_outputs_fail_and_splits_merge(split_size):
     """The kernels write into NaN-filled buffers (an element no program writes stays NaN), and every split size,
     one split or several, merges to the same result."""
     module = attention_module("kv", 2, 10, "rms")
-    call, mask = decode_step(module, 2, 45, 2, 5)
+    step, mask = decode_step(module, 2, 45, 2, 5)
     inputs = KVDecodeInputs(
-        torch.cat([call.q_nope, call.q_rope], dim=-1), call.latent[:, 0], call.rope_key[:, 0],
-        call.gate_rows.rows, None, None, None, mask,
+        torch.cat([step.q_nope, step.q_rope], dim=-1), step.latent[:, 0], step.rope_key[:, 0],
+        step.gate_rows.rows, None, None, None, mask,
     )  # fmt: skip
     weights = KVDecodeWeights(
-        module.kv_b_weight(like=call.latent), module.gate_embedding_proj.weight.view(4, 28, 10),
-        module.gate_norm.weight, module.gate_norm.variance_epsilon, module.scaling, 16, 2,
+        step.kv_weight, step.gate_weight, step.norm_weight, step.layout.norm_eps, step.layout.scaling, 16, 2,
     )  # fmt: skip
     out = torch.full((2, 2, 4, 12), float("nan"))
     from egmla.kernels import triton_decode
 
     triton_decode.decode_kv(inputs, weights, split_size=split_size, block_t=16, out=out)
     assert torch.isfinite(out).all()
-    assert relative_error(out, reference(module, call, mask)) <= 1e-4
+    assert relative_error(out, reference(module, step, mask)) <= 1e-4
     latent_inputs = LatentDecodeInputs(
-        torch.randn(2, 4, 2, 24), torch.randn(2, 4, 2, 16), call.latent[:, 0], call.rope_key[:, 0], mask
+        torch.randn(2, 4, 2, 24), torch.randn(2, 4, 2, 16), step.latent[:, 0], step.rope_key[:, 0], mask
     )
     out = torch.full((2, 4, 2, 24), float("nan"))
     triton_decode.decode_latent(latent_inputs, 0.2, split_size=split_size, block_t=16, out=out)
@@ -156,9 +151,9 @@ def test_unwritten_outputs_fail_and_splits_merge(split_size):
 @pytest.mark.parametrize("gate_position", ["kv", "latent"])
 def test_compiled_path_in_bf16_equals_the_fp32_reference(gate_position):
     module = attention_module(gate_position, 2, 10, "rms", torch.bfloat16)
-    call, mask = decode_step(module, 2, 37, 1, 3, torch.bfloat16)
-    expected = reference(module.float(), in_float32(call), mask)
-    output = kernels.fused_decode(module.to(torch.bfloat16), call, mask[:, None], "compiled")
+    step, mask = decode_step(module, 2, 37, 1, 3, torch.bfloat16)
+    expected = reference(copy.deepcopy(module).float(), in_float32(step), mask)
+    output = kernels.fused_decode(step, mask[:, None], "compiled")
     assert output is not None and output.dtype == torch.bfloat16, dispatch._compile_failed
     assert relative_error(output, expected) <= 1e-2
 
@@ -167,10 +162,10 @@ def test_compiled_path_in_bf16_equals_the_fp32_reference(gate_position):
 def test_compiled_path_equals_the_reference(gate_position):
     module = attention_module(gate_position, 2, 10, "rms")
     for key_length in (9, 33):  # dynamic shapes: a growing context must not need a new graph per step
-        call, mask = decode_step(module, 2, key_length, 1, 3)
-        output = kernels.fused_decode(module, call, mask[:, None], "compiled")
+        step, mask = decode_step(module, 2, key_length, 1, 3)
+        output = kernels.fused_decode(step, mask[:, None], "compiled")
         assert output is not None, dispatch._compile_failed
-        assert relative_error(output, reference(module, call, mask)) <= 1e-4
+        assert relative_error(output, reference(module, step, mask)) <= 1e-4
 
 
 @pytest.mark.parametrize(
@@ -187,7 +182,7 @@ def test_gate_once_per_distinct_token_equals_the_reference(vocabulary, backend):
     table = torch.nn.Embedding(vocabulary, 10)
     torch.nn.init.normal_(table.weight, generator=generator)
     for key_length in (17, 40):
-        call, mask = decode_step(module, 2, key_length, 1, 5)
+        step, mask = decode_step(module, 2, key_length, 1, 5)
         if vocabulary == 6:
             token_ids = torch.randint(0, vocabulary, (2, key_length), generator=generator)
         else:
@@ -197,10 +192,10 @@ def test_gate_once_per_distinct_token_equals_the_reference(vocabulary, backend):
             assert gate_rows.rows.shape == (6, 10) and torch.equal(gate_rows.rows[gate_rows.index], table(token_ids))
         else:  # no repeats: one row per position, no gather
             assert gate_rows.index is None and torch.equal(gate_rows.rows, table(token_ids).flatten(0, 1))
-        call = call._replace(gate_rows=gate_rows)
+        step = step._replace(gate_rows=gate_rows)
         with torch.no_grad():
-            expected = reference(module, call, mask)
-            output = kernels.fused_decode(module, call, mask[:, None], backend)
+            expected = reference(module, step, mask)
+            output = kernels.fused_decode(step, mask[:, None], backend)
         assert output is not None, dispatch._compile_failed
         assert relative_error(output, expected) <= 1e-4
 
@@ -262,7 +257,7 @@ def test_backend_choice_and_its_log_line(monkeypatch, caplog):
 
 
 def test_the_override_is_read_once_at_import():
-    """EGMLA_KERNEL is a process-wide choice read when egmla is imported, not on every decode call."""
+    """EGMLA_KERNEL is a process-wide choice read when egmla is imported, not on every decode step."""
     import subprocess
     import sys
 
@@ -289,9 +284,9 @@ def test_reference_backend_decodes_through_the_model_path(monkeypatch):
 
 def test_an_unknown_decode_contract_goes_to_the_reference_path(caplog):
     module = attention_module("kv", 1, 10, "rms")
-    call, mask = decode_step(module, 1, 7, 1, 0)
+    step, mask = decode_step(module, 1, 7, 1, 0)
     with caplog.at_level(logging.WARNING, logger="egmla.kernels.dispatch"):
-        assert kernels.fused_decode(module, call._replace(version=LATENT_DECODE_VERSION + 1), mask, "compiled") is None
+        assert kernels.fused_decode(step._replace(version=LATENT_DECODE_VERSION + 1), mask, "compiled") is None
     assert f"decode contract is version {LATENT_DECODE_VERSION + 1}" in caplog.text
 
 
@@ -305,13 +300,13 @@ def test_fused_paths_equal_the_reference_in_exact_rope_mode(backend, gate_positi
     module = attention_module(gate_position, 1, gate_dim, gate_norm, rope_mode="exact")
     rotary_emb = EGMLAForCausalLM(module.config).model.rotary_emb  # cos, sin at each row's own positions
     for key_length, query_length in ((9, 1), (45, 2)):  # dynamic shapes: a growing context must not recompile
-        call, mask = decode_step(module, 2, key_length, query_length, 3)
+        step, mask = decode_step(module, 2, key_length, query_length, 3)
         positions = torch.stack([torch.arange(key_length), torch.arange(key_length) + 5])
-        cos, sin = rotary_emb(call.latent, positions)
-        call = call._replace(rope_key=call.rope_key[..., :0], key_rotary=module.select_rotary(cos, sin))
-        output = kernels.fused_decode(module, call, mask[:, None], backend)
+        cos, sin = rotary_emb(step.latent, positions)
+        step = step._replace(rope_key=step.rope_key[..., :0], key_rotary=module.select_rotary(cos, sin))
+        output = kernels.fused_decode(step, mask[:, None], backend)
         assert output is not None, dispatch._compile_failed
-        assert relative_error(output, reference(module, call, mask)) <= 1e-4
+        assert relative_error(output, reference(module, step, mask)) <= 1e-4
 
 
 @pytest.mark.parametrize("gate_position", ["kv", "latent"])
@@ -353,11 +348,11 @@ def test_the_gpu_benchmark_script_runs(tmp_path):
 @needs_triton
 def test_triton_leaves_steps_under_autograd_to_the_reference():
     module = attention_module("kv", 1, 10, "rms")
-    call, mask = decode_step(module, 1, 7, 1, 0)
-    call = call._replace(q_nope=call.q_nope.requires_grad_(True))
-    assert kernels.fused_decode(module, call, mask[:, None], "triton") is None
+    step, mask = decode_step(module, 1, 7, 1, 0)
+    step = step._replace(q_nope=step.q_nope.requires_grad_(True))
+    assert kernels.fused_decode(step, mask[:, None], "triton") is None
     with torch.no_grad():
-        assert kernels.fused_decode(module, call, mask[:, None], "triton") is not None
+        assert kernels.fused_decode(step, mask[:, None], "triton") is not None
 
 
 @needs_triton
@@ -389,10 +384,13 @@ def test_the_absorbed_decode_equals_the_re_expansion_wherever_it_is_chosen(gate_
     shared latent, and gives what re-expanding every cached latent gives."""
     module = attention_module(gate_position, rope_key_heads, gate_dim, "rms")
     assert module.absorbs
-    call, mask = decode_step(module, 2, 29, 3, 4)
+    step, mask = decode_step(module, 2, 29, 3, 4)
     additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[:, None]
-    absorbed, _ = absorbed_attention(module, call, additive)
-    expanded, _ = expanded_attention(module, call, additive)
+    layout = step.layout  # W^{UK} [H, dn, r] and W^{UV} transposed [H, r, dv], made with the step
+    assert step.uk_weight.shape == (layout.num_heads, layout.qk_nope_head_dim, layout.kv_lora_rank)
+    assert step.uv_weight.shape == (layout.num_heads, layout.kv_lora_rank, layout.v_head_dim)
+    absorbed, _ = absorbed_attention(step, additive)
+    expanded, _ = expanded_attention(module, step, additive)
     torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
     assert not attention_module("kv", rope_key_heads, 10, "rms").absorbs  # the gate on K/V sits after the cache
     assert not attention_module(gate_position, 1, gate_dim, "rms", rope_mode="exact").absorbs
@@ -417,22 +415,22 @@ def test_the_blocked_re_expansion_equals_the_whole_one(gate_position, gate_dim, 
     module = attention_module(gate_position, rope_key_heads, gate_dim, gate_norm, rope_mode=rope_mode)
     rotary_emb = EGMLAForCausalLM(module.config).model.rotary_emb
     for key_length, query_length, padding in ((2 * DECODE_BLOCK + 37, 3, 40), (DECODE_BLOCK + 5, 1, 0)):
-        call, mask = decode_step(module, 2, key_length, query_length, padding)
+        step, mask = decode_step(module, 2, key_length, query_length, padding)
         if rope_mode == "exact":
-            cos, sin = rotary_emb(call.latent, torch.arange(key_length)[None].expand(2, -1))
-            call = call._replace(rope_key=call.rope_key[..., :0], key_rotary=module.select_rotary(cos, sin))
+            cos, sin = rotary_emb(step.latent, torch.arange(key_length)[None].expand(2, -1))
+            step = step._replace(rope_key=step.rope_key[..., :0], key_rotary=module.select_rotary(cos, sin))
         additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[:, None]
         masks = [additive, mask[:, None]] + ([None] if padding == 0 else [])
-        gate_forms = [call.gate_rows]
-        if call.gate_rows is not None:  # 7 distinct tokens: a row each and an index per position
+        gate_forms = [step.gate_rows]
+        if step.gate_rows is not None:  # 7 distinct tokens: a row each and an index per position
             rows = torch.randn(7, gate_dim, generator=torch.Generator().manual_seed(7))
             index = torch.randint(0, 7, (2, key_length), generator=torch.Generator().manual_seed(8))
             gate_forms.append(EGMLAGateRows(rows, index, 2, key_length))
         for gate_rows in gate_forms:
-            step = call._replace(gate_rows=gate_rows)
-            expected, _ = expanded_attention(module, step, additive)
+            gated = step._replace(gate_rows=gate_rows)
+            expected, _ = expanded_attention(module, gated, additive)
             for attention_mask in masks:
-                blocked, _ = blocked_attention(module, step, attention_mask)
+                blocked, _ = blocked_attention(gated, attention_mask)
                 torch.testing.assert_close(blocked, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -449,9 +447,9 @@ def test_the_re_expansion_rebuilds_only_keys_where_no_gate_sits_on_the_values(
 
     module = attention_module(gate_position, 1, gate_dim, "rms", rope_mode="exact")
     rotary_emb = EGMLAForCausalLM(module.config).model.rotary_emb
-    call, mask = decode_step(module, 2, 40, 1, 3)
-    cos, sin = rotary_emb(call.latent, torch.arange(40)[None].expand(2, -1))
-    call = call._replace(rope_key=call.rope_key[..., :0], key_rotary=module.select_rotary(cos, sin))
+    step, mask = decode_step(module, 2, 40, 1, 3)
+    cos, sin = rotary_emb(step.latent, torch.arange(40)[None].expand(2, -1))
+    step = step._replace(rope_key=step.rope_key[..., :0], key_rotary=module.select_rotary(cos, sin))
     widths, rebuild = [], modeling.rebuild_block
 
     def recording(*args, **kwargs):
@@ -460,8 +458,8 @@ def test_the_re_expansion_rebuilds_only_keys_where_no_gate_sits_on_the_values(
         return kv
 
     monkeypatch.setattr(modeling, "rebuild_block", recording)
-    blocked, _ = blocked_attention(module, call, mask[:, None])
-    expected, _ = expanded_attention(module, call, mask[:, None])
+    blocked, _ = blocked_attention(step, mask[:, None])
+    expected, _ = expanded_attention(module, step, mask[:, None])
     torch.testing.assert_close(blocked, expected, rtol=1e-5, atol=1e-5)
     rebuilt = module.rebuilt_key_dim + (0 if values_absorbed else module.v_head_dim)
     assert widths and set(widths) == {rebuilt}
@@ -473,14 +471,14 @@ def test_the_fused_kernels_read_the_caches_rows_where_they_lie(gate_position, ga
     """The latent and rope keys as the caches hand them: views of one storage of rows [latent ; rope key] with
     room to spare. Both backends read them in place and give what contiguous copies give."""
     module = attention_module(gate_position, 1, gate_dim, "rms")
-    call, mask = decode_step(module, 2, 37, 1, 3)
-    rank, width = call.latent.shape[-1], call.rope_key.shape[-1]
+    step, mask = decode_step(module, 2, 37, 1, 3)
+    rank, width = step.latent.shape[-1], step.rope_key.shape[-1]
     storage = torch.full((2, 1, 48, rank + width), float("nan"))  # unwritten rows must never be read
-    storage[:, :, :37, :rank], storage[:, :, :37, rank:] = call.latent, call.rope_key
-    rows = call._replace(latent=storage[:, :, :37, :rank], rope_key=storage[:, :, :37, rank:])
+    storage[:, :, :37, :rank], storage[:, :, :37, rank:] = step.latent, step.rope_key
+    rows = step._replace(latent=storage[:, :, :37, :rank], rope_key=storage[:, :, :37, rank:])
     assert not rows.latent.is_contiguous()
-    expected = kernels.fused_decode(module, call, mask[:, None], backend)
-    torch.testing.assert_close(kernels.fused_decode(module, rows, mask[:, None], backend), expected)
+    expected = kernels.fused_decode(step, mask[:, None], backend)
+    torch.testing.assert_close(kernels.fused_decode(rows, mask[:, None], backend), expected)
 
 
 def test_a_compiled_backend_asked_for_by_name_raises_its_error_and_only_the_automatic_choice_falls_back(

@@ -368,6 +368,25 @@ def split_buffers(rows: int, splits: int, width: int, device: torch.device) -> t
     return acc, running_max, torch.full_like(running_max, float("nan"))
 
 
+def kv_operands(inputs: KVDecodeInputs, weights: KVDecodeWeights) -> dict:
+    """The tensors `_decode_kv_kernel` reads, in the cache's dtype where it multiplies them and contiguous; the
+    latent stands in for those a step has not (never read)."""
+    latent, dtype = inputs.latent, inputs.latent.dtype
+    gated, exact_rope = weights.gate_weight is not None, inputs.key_cos is not None
+    return {
+        "query_ptr": inputs.query.contiguous(),
+        **cache_rows(latent, inputs.rope_key),
+        "key_cos_ptr": inputs.key_cos.float().contiguous() if exact_rope else latent,
+        "key_sin_ptr": inputs.key_sin.float().contiguous() if exact_rope else latent,
+        "gate_rows_ptr": inputs.gate_rows.to(dtype).contiguous() if gated else latent,
+        "gate_index_ptr": inputs.gate_index.contiguous() if inputs.gate_index is not None else latent,
+        "kv_weight_ptr": weights.kv_weight.to(dtype).contiguous(),
+        "gate_weight_ptr": weights.gate_weight.to(dtype).contiguous() if gated else latent,
+        "norm_weight_ptr": weights.norm_weight.contiguous() if weights.norm_weight is not None else latent,
+        "mask_ptr": inputs.mask.to(torch.int8).contiguous(),
+    }
+
+
 def decode_kv(
     inputs: KVDecodeInputs,
     weights: KVDecodeWeights,
@@ -376,29 +395,19 @@ def decode_kv(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See `fused_torch.decode_kv`; returns [B, S, H, dv] (written into `out` when given)."""
-    query, latent, rope_key, gate_rows, gate_index, key_cos, key_sin, mask = inputs
-    kv_weight, gate_weight, norm_weight, norm_eps, scaling, nope_dim, rope_key_heads, absorb_values = weights
+    query, latent, kv_weight, nope_dim = inputs.query, inputs.latent, weights.kv_weight, weights.nope_dim
     batch_size, heads, query_length, qk_dim = query.shape
     key_length, rank = latent.shape[1], latent.shape[2]
-    exact_rope = key_cos is not None
+    exact_rope = inputs.key_cos is not None
     value_dim = kv_weight.shape[1] - (qk_dim if exact_rope else nope_dim)
-    rope_dim, dtype, rows = qk_dim - nope_dim, latent.dtype, batch_size * heads * query_length
+    rope_dim, rows = qk_dim - nope_dim, batch_size * heads * query_length
     split_size = split_size or split_size_for(key_length, rows, block_t)
     splits = math.ceil(key_length / split_size)
-    out_dim = rank if absorb_values else value_dim  # what the weights sum: the latents, or the rebuilt values
+    out_dim = rank if weights.absorb_values else value_dim  # what the weights sum: the latents, or the rebuilt values
     acc, running_max, running_sum = split_buffers(rows, splits, out_dim, latent.device)
-    gate_dim = gate_weight.shape[-1] if gate_weight is not None else 1
+    gate_dim = weights.gate_weight.shape[-1] if weights.gate_weight is not None else 1
     _decode_kv_kernel[(rows, splits)](
-        query_ptr=query.contiguous(),
-        **cache_rows(latent, rope_key),
-        key_cos_ptr=key_cos.float().contiguous() if exact_rope else latent,
-        key_sin_ptr=key_sin.float().contiguous() if exact_rope else latent,
-        gate_rows_ptr=gate_rows.to(dtype).contiguous() if gate_weight is not None else latent,
-        gate_index_ptr=gate_index.contiguous() if gate_index is not None else latent,
-        kv_weight_ptr=kv_weight.to(dtype).contiguous(),
-        gate_weight_ptr=gate_weight.to(dtype).contiguous() if gate_weight is not None else latent,
-        norm_weight_ptr=norm_weight.contiguous() if norm_weight is not None else latent,
-        mask_ptr=mask.to(torch.int8).contiguous(),
+        **kv_operands(inputs, weights),
         acc_ptr=acc,
         max_ptr=running_max,
         sum_ptr=running_sum,
@@ -408,27 +417,27 @@ def decode_kv(
         query_length=query_length,
         splits=splits,
         split_size=split_size,
-        scaling=scaling,
-        norm_eps=norm_eps,
+        scaling=weights.scaling,
+        norm_eps=weights.norm_eps,
         DN=nope_dim,
         DV=value_dim,
         DR=rope_dim,
         R=rank,
         DE=gate_dim,
-        HR=rope_key_heads,
+        HR=weights.rope_key_heads,
         EXACT_ROPE=exact_rope,
-        HAS_GATE=gate_weight is not None,
-        GATE_INDEXED=gate_index is not None,
-        HAS_NORM=norm_weight is not None,
-        ABSORB_VALUES=absorb_values,
+        HAS_GATE=weights.gate_weight is not None,
+        GATE_INDEXED=inputs.gate_index is not None,
+        HAS_NORM=weights.norm_weight is not None,
+        ABSORB_VALUES=weights.absorb_values,
         DO=out_dim,
-        PRECISION=precision(dtype),
+        PRECISION=precision(latent.dtype),
         UPCAST=INTERPRETED,
         BLOCK_T=block_t,
         **tile_widths(DN=nope_dim, DV=value_dim, DR=rope_dim, DH=rope_dim // 2, R=rank, DE=gate_dim, DO=out_dim),
     )
     result = merge_splits(acc, running_max, running_sum).view(batch_size, heads, query_length, out_dim)
-    if absorb_values:  # W^{UV} per head, once per query instead of once per cached position
+    if weights.absorb_values:  # W^{UV} per head, once per query instead of once per cached position
         up_value = kv_weight[:, -value_dim:].float().repeat_interleave(heads // kv_weight.shape[0], dim=0)
         result = torch.einsum("bhsr,hvr->bhsv", result, up_value)
     result = result.transpose(1, 2).to(query.dtype)
