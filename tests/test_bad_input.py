@@ -75,7 +75,7 @@ def kv_cut_outside(tmp: Path) -> tuple[Path, list[str]]:
 
 
 def kv_cut_leaving_no_latent(tmp: Path) -> tuple[Path, list[str]]:
-    return llama_folder(tmp / "src"), ["--kv-cut", "0.99", "--rope-mode", "decoupled", "--calibration-blocks", "4",
+    return llama_folder(tmp / "src"), ["--kv-cut", "0.99", "--rope-split", "shared", "--calibration-blocks", "4",
                                        "--block-size", "32"]  # fmt: skip
 
 
@@ -118,7 +118,7 @@ def test_bad_conversion_input_is_refused_by_name_and_nothing_is_written(tmp_path
     before = digest(source)
     out = tmp_path / "out"
     with pytest.raises(SystemExit, match=message):
-        main(["convert", str(source), str(out), *flags])
+        main(["convert", str(source), "--out", str(out), *flags])
     assert not out.exists() and not [path for path in tmp_path.iterdir() if path.name.startswith(".out")]
     assert digest(source) == before
 
@@ -128,11 +128,11 @@ def test_an_output_inside_the_source_or_existing_is_refused(tmp_path):
     shutil.copytree(STORIES260K, source)
     before = digest(source)
     with pytest.raises(SystemExit, match="overlaps the input"):
-        main(["convert", str(source), str(source / "inside"), *FAST])
+        main(["convert", str(source), "--out", str(source / "inside"), *FAST])
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("a user's file")
     with pytest.raises(SystemExit, match="exists; pass --overwrite"):
-        main(["convert", str(source), str(tmp_path / "out"), *FAST])
+        main(["convert", str(source), "--out", str(tmp_path / "out"), *FAST])
     assert (tmp_path / "out" / "keep.txt").read_text() == "a user's file" and digest(source) == before
 
 
@@ -322,7 +322,7 @@ def test_bad_input_is_refused_in_one_line_with_status_2_before_the_weights_load(
         raise AssertionError("the source's weights were loaded before the input was checked")
 
     monkeypatch.setattr(pipeline, "load_llama", no_work)
-    monkeypatch.setattr(streaming, "SourceFiles", no_work)
+    monkeypatch.setattr(streaming, "ShardedLayers", no_work)
     source, given = setup(tmp_path)
     before = digest(source) if source.exists() else None
     out = tmp_path / "out"
@@ -464,14 +464,14 @@ def test_a_card_leaves_out_scores_that_are_not_numbers(tmp_path, converted_stude
 
     from huggingface_hub import ModelCard
 
-    from egmla.conversion.report import write_model_card
+    from egmla.conversion.report import ConversionReport, write_model_card
 
     _, student = converted_student
     report = json.loads((student / "conversion_report.json").read_text())
     report["perplexity"][report["saved_stage"]] = float("nan")  # a diverged stage
     for row in report["stages"]:
         row["selection_loss"] = float("inf")
-    write_model_card(tmp_path, report)
+    write_model_card(tmp_path, ConversionReport.from_dict(report))
     card = ModelCard.load(tmp_path / "README.md")
     assert not card.data.eval_results and "nan" not in card.text.lower()
     strict = json.loads((tmp_path / "conversion_report.json").read_text(), parse_constant=lambda name: 1 / 0)

@@ -1,4 +1,4 @@
-"""The CLI is built from the option dataclasses' fields, and the flag spellings scripts use keep working."""
+"""The CLI is built from the option dataclasses' fields, one flag each; `retrofit` lays its presets over them."""
 
 import dataclasses
 
@@ -6,7 +6,8 @@ import pytest
 
 from egmla.cli import build_parser, conversion_options, reconstruction_settings
 from egmla.conversion import ConversionOptions
-from egmla.conversion.pipeline import TextSettings
+from egmla.conversion.fitting_text import TextSettings
+from egmla.conversion.pipeline import ConversionJob, FinetuneJob
 from egmla.conversion.reconstruction import ReconstructionSettings
 from egmla.data import EXCERPT
 from egmla.quickstart import QuickstartSettings
@@ -28,31 +29,37 @@ def options_of(*flags: str) -> ConversionOptions:
         ("convert", TextSettings, ""),
         ("convert", FinetuneSettings, ""),
         ("convert", ReconstructionSettings, "reconstruction_"),
+        ("convert", ConversionJob, ""),
         ("retrofit", ConversionOptions, ""),
         ("finetune", FinetuneSettings, ""),
+        ("finetune", FinetuneJob, ""),
         ("quickstart", QuickstartSettings, ""),
     ],
 )
 def test_every_option_field_is_a_flag_with_its_help_and_choices(command, cls, prefix):
     """Declared once: each `option` field of the command's dataclasses is a flag named after it, with its help
-    text, choices and older spellings."""
+    text and choices, and no other spelling."""
     parser = build_parser()
     subparser = parser._subparsers._group_actions[0].choices[command]
     actions = {action.dest: action for action in subparser._actions}
     declared = [field for field in dataclasses.fields(cls) if "help" in field.metadata]
     assert declared
     for field in declared:
+        if prefix + field.name not in actions:  # a job field another command declares (`stream` is `convert`'s)
+            assert cls is ConversionJob and field.name in ("stream", "sample_prompt")
+            continue
         action = actions[prefix + field.name]
-        assert f"--{(prefix + field.name).replace('_', '-')}" in action.option_strings
-        assert set(field.metadata["flags"]) <= set(action.option_strings)
+        flag = f"--{(prefix + field.name).replace('_', '-')}"
+        assert action.option_strings in ([flag], [flag, flag.replace("--", "--no-", 1)])
         assert action.help == field.metadata["help"].replace("%", "%%")
         assert action.choices == field.metadata["choices"]
 
 
 def test_parsed_flags_become_the_dataclasses():
     args = build_parser().parse_args(
-        ["convert", "SRC", "--out", "OUT", "--kv-cut", "0.5", "--gate-dim", "8", "--lr", "5e-4",
-         "--reconstruction-steps", "7", "--gate-init", "identity", "--calib-blocks", "3", "--seed", "4"]
+        ["convert", "SRC", "--out", "OUT", "--kv-cut", "0.5", "--gate-embedding-dim", "8", "--learning-rate", "5e-4",
+         "--reconstruction-steps", "7", "--reconstruction-gate-init", "identity", "--calibration-blocks", "3",
+         "--seed", "4"]
     )  # fmt: skip
     assert conversion_options(args).gate_embedding_dim == 8 and conversion_options(args).seed == 4
     settings = reconstruction_settings(args)
@@ -65,26 +72,37 @@ def test_parsed_flags_become_the_dataclasses():
     [
         ((), "auto"),
         (("--rope-split", "per_head"), "per_head"),
-        (("--rope-mode", "exact"), "exact"),
-        (("--rope-mode", "decoupled"), "shared"),
-        (("--rope-mode", "decoupled", "--rope-keys", "per_head"), "per_head"),
-        (("--rope-keys", "per_head"), "per_head"),
-        (("--rope-mode", "auto"), "auto"),
-        (("--rope-keys", "shared"), "auto"),  # their defaults left the split to the search
-        (("--rope-mode", "auto", "--rope-keys", "shared"), "auto"),
-        (("--rope-mode", "decoupled", "--rope-keys", "shared"), "shared"),
+        (("--rope-split", "exact"), "exact"),
         (("--rope-pairs", "3"), "shared"),  # a given width leaves nothing to choose
     ],
 )
-def test_rope_split_and_its_older_spellings(flags, rope_split):
+def test_rope_split(flags, rope_split):
     assert options_of("--kv-cut", "0.5", *flags).rope_split == rope_split
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--rope-mode", "exact"), ("--rope-keys", "per_head"), ("--gate-dim", "8"), ("--calib-blocks", "3"),
+     ("--lr", "1e-4"), ("--grad-accum", "2"), ("--calib-text", TEXT)],
+)  # fmt: skip
+def test_no_other_spelling_of_a_flag(flags, capsys):
+    """Nothing is released: one spelling per option (argparse's prefix matching aside)."""
+    with pytest.raises(SystemExit):
+        options_of("--kv-cut", "0.5", *flags)
+    assert "unrecognized arguments" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the output folder is --out, not a second positional
+        build_parser().parse_args(["convert", "SRC", "OUT", "--kv-cut", "0.5"])
+
+
+@pytest.mark.parametrize("command", ["convert", "retrofit", "finetune", "quickstart"])
+def test_each_command_lists_at_most_60_options(command):
+    subparser = build_parser()._subparsers._group_actions[0].choices[command]
+    assert len([action for action in subparser._actions if action.dest != "help"]) <= 60
 
 
 def test_a_choice_outside_a_fields_choices_is_refused_by_name():
     with pytest.raises(ValueError, match=r"pair_selection \(--[a-z-]+\) must be one of"):
         ConversionOptions(kv_cut=0.5, pair_selection="largest")
-    with pytest.raises(ValueError, match="not both"):
-        options_of("--kv-cut", "0.5", "--rope-split", "per_head", "--rope-mode", "auto")
     with pytest.raises(SystemExit):  # argparse names the flag and its choices
         options_of("--kv-cut", "0.5", "--rope-split", "partial")
 
@@ -120,6 +138,8 @@ def test_retrofit_settings_follow_its_text_unless_given(monkeypatch, flags, expe
     assert {name: settings[name] for name in expected} == expected and finetune.steps is None
     assert finetune.mixed_precision == "auto" and reconstruction.mixed_precision == "auto"
     assert jobs[0].text.sample_temperatures == (0.7, 0.85, 1.0)  # the source's samples cycle through them
+    # data-free, it samples short blocks; text given to it is cut like `convert`'s
+    assert jobs[0].text.sampled_block_size == 128 and jobs[0].text.block_size == TextSettings.block_size
 
 
 def test_the_main_job_keeps_its_minutes(monkeypatch):
@@ -133,8 +153,8 @@ def test_the_main_job_keeps_its_minutes(monkeypatch):
     cli.main(["retrofit", "--out", "OUT"])
     cli.main(["retrofit", "--out", "OUT", "--train-text", TEXT])
     cli.main(["retrofit", "--out", "OUT", "--time-limit", "30"])
-    cli.main(["convert", SRC, "OUT", "--kv-cut", "0.5"])
-    cli.main(["convert", SRC, "OUT", "--kv-cut", "0.5", "--time-limit", "12", "--train-text", TEXT])
+    cli.main(["convert", SRC, "--out", "OUT", "--kv-cut", "0.5"])
+    cli.main(["convert", SRC, "--out", "OUT", "--kv-cut", "0.5", "--time-limit", "12", "--train-text", TEXT])
     assert [job.time_limit for job in jobs] == [15.0, 20.0, 30.0, None, 12.0]
 
 

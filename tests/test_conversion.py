@@ -23,9 +23,10 @@ from egmla.conversion import (
 )
 from egmla.conversion.decode_cost import egmla_cost
 from egmla.conversion.factorization import allocate_ranks, factorize, output_weights, psd_sqrt
-from egmla.conversion.pipeline import StageSelection, TextSettings
+from egmla.conversion.fitting_text import TextSettings
 from egmla.conversion.reconstruction import ReconstructionSettings
 from egmla.conversion.rope import rotation_variance
+from egmla.conversion.scoring import StageSelection
 from egmla.text import mean_loss, perplexity, read_documents, split_documents, token_blocks
 from tests.utils import (
     STORIES260K,
@@ -346,7 +347,7 @@ def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_so
     (out / "stale.txt").write_text("from an earlier run")
     assert [row["layers"] for row in report["reconstruction"]["gate"]] == [[0], [1]]  # the gate fitted by default
     assert report["recovery_block_size"] == 128  # the source's context (blocks of 32 packed by 4)
-    main([*args, "--overwrite", "--gate-init", "identity", "--reconstruction-steps", "0"])  # replaced as a whole
+    main([*args, "--overwrite", "--reconstruction-gate-init", "identity", "--reconstruction-steps", "0"])  # replaced as a whole
     assert not (out / "stale.txt").exists() and (out / "conversion_report.json").exists()
     state = load_file(out / "model.safetensors")
     gate_weights = [tensor for name, tensor in state.items() if name.endswith("gate_embedding_proj.weight")]
@@ -355,41 +356,19 @@ def test_cli_convert_refuses_existing_output_writes_atomically_and_leaves_the_so
     assert folder_digest(source) == before  # the source is never written
 
 
-def test_cli_flags_are_the_field_names_and_the_old_spellings_still_parse():
+def test_cli_flags_are_the_field_names():
     from egmla.cli import build_parser, conversion_options, from_args
-    from egmla.conversion.pipeline import TextSettings
+    from egmla.conversion.fitting_text import TextSettings
     from egmla.data import EXCERPT as text  # a file that exists: the settings check it
 
     parse = build_parser().parse_args
     new = parse(
         ["convert", "SRC", "--out", "OUT", "--kv-cut", "0.5", "--gate-embedding-dim", "8", "--train-text", str(text)]
     )
-    old = parse(
-        [
-            "convert",
-            "SRC",
-            "OUT",
-            "--kv-cut",
-            "0.5",
-            "--gate-dim",
-            "8",
-            "--calib-text",
-            str(text),
-            "--calib-blocks",
-            "32",
-        ]
-    )
-    assert conversion_options(new) == conversion_options(old) == ConversionOptions(kv_cut=0.5, gate_embedding_dim=8)
-    assert from_args(TextSettings, new) == from_args(TextSettings, old) == TextSettings(train_text=Path(text))
-    tune = ["finetune", "S", "--teacher", "T", "--out", "O"]
-    assert vars(parse([*tune, "--lr", "0.1", "--grad-accum", "2"])) == vars(
-        parse([*tune, "--learning-rate", "0.1", "--gradient-accumulation-steps", "2"])
-    )
+    assert conversion_options(new) == ConversionOptions(kv_cut=0.5, gate_embedding_dim=8)
+    assert from_args(TextSettings, new) == TextSettings(train_text=Path(text))
     retrofit = parse(["retrofit", "--kv-lora-rank", "24"])  # a latent width replaces the job's default cut
     assert conversion_options(retrofit) == ConversionOptions(kv_lora_rank=24)
-    # the main job samples short blocks when data-free; text given to it is cut like `convert`'s
-    retrofit_text = from_args(TextSettings, retrofit)
-    assert retrofit_text.sampled_block_size == 128 and retrofit_text.block_size == TextSettings.block_size
     with pytest.raises(SystemExit, match="exactly one of kv_lora_rank and kv_cut"):
         main(["convert", "SRC", "--out", str(Path("never-written"))])
     assert not Path("never-written").exists()
@@ -397,8 +376,8 @@ def test_cli_flags_are_the_field_names_and_the_old_spellings_still_parse():
 
 def test_convert_recovers_on_the_calibration_text_by_default_and_not_without_text(monkeypatch):
     import egmla.cli as cli
-    from egmla.conversion.pipeline import CONVERT_DEFAULTS
     from egmla.data import EXCERPT
+    from egmla.training import FinetuneSettings
 
     jobs, source, text = [], str(STORIES260K), str(EXCERPT)
     monkeypatch.setattr(cli, "run_conversion", jobs.append)
@@ -407,7 +386,7 @@ def test_convert_recovers_on_the_calibration_text_by_default_and_not_without_tex
     # data-free: the closed form and the layer-wise fit only
     main(["convert", source, "--out", "OUT", "--kv-cut", "0.5"])
     recovery, off, data_free = (job.finetune for job in jobs)
-    assert recovery.steps is None and recovery.max_minutes == CONVERT_DEFAULTS["max_minutes"]
+    assert recovery == FinetuneSettings()  # convert's recovery is the dataclass's defaults
     assert off is None and data_free is None
 
 
@@ -514,7 +493,7 @@ def test_output_overlapping_the_source_is_refused_even_with_overwrite(tmp_path):
     before = folder_digest(source)
     for out in (source, source / "inside", tmp_path):
         with pytest.raises(SystemExit, match="overlaps the input"):
-            main(["convert", str(source), str(out), "--kv-lora-rank", "8", "--overwrite"])
+            main(["convert", str(source), "--out", str(out), "--kv-lora-rank", "8", "--overwrite"])
     assert folder_digest(source) == before
 
 
@@ -647,7 +626,7 @@ def test_the_fitted_gate_lowers_held_out_perplexity_on_stories260k(stories):
 
 
 def test_recovery_blocks_are_the_fitting_stream_packed_to_the_context():
-    from egmla.conversion.pipeline import TextData, recovery_settings
+    from egmla.conversion.fitting_text import TextData, recovery_settings
     from egmla.text import packed_blocks
     from egmla.training import FinetuneSettings
 
@@ -775,7 +754,7 @@ def test_the_source_samples_keep_their_share_in_calibration_and_recovery(tmp_pat
     """Beside a user's text, the source's samples are `source_sample_share` of the first blocks (calibration and
     the layer-wise fit) and, with `replay_samples`, of all the recovery blocks, where batches are drawn from all of
     the text; the blocks that decide which stages are kept are the user's text alone."""
-    from egmla.conversion.pipeline import fitting_blocks, interleaved, prepare_text
+    from egmla.conversion.fitting_text import fitting_blocks, interleaved, prepare_text
 
     text, sampled = torch.arange(100).view(10, 10), -torch.arange(1, 31).view(3, 10)
     first = interleaved(text, sampled, 0.5)

@@ -44,7 +44,7 @@ def test_a_killed_convert_leaves_no_partial_output_and_the_next_run_clears_its_s
     source = llama_folder(tmp_path / "src")
     before = digest(source)
     out = tmp_path / "out"
-    command = [*EGMLA, "convert", str(source), str(out), *FAST, "--overwrite"]
+    command = [*EGMLA, "convert", str(source), "--out", str(out), *FAST, "--overwrite"]
     started = time.monotonic()
     subprocess.run(command, cwd=tmp_path, env=ENV, check=True, capture_output=True)
     duration = time.monotonic() - started

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import egmla.precision as precision
 import egmla.training as finetune_module
 from egmla.cli import main
 from egmla.conversion import ConversionOptions, convert_llama_to_egmla
@@ -95,12 +96,12 @@ def test_bf16_autocast_trains_and_hands_back_a_model_that_runs_in_fp32(pair, mon
         assert torch.equal(result.model(blocks).logits, plain(blocks).logits)
     assert all(parameter.dtype == torch.float32 for parameter in result.model.parameters())
 
-    cpu, wide, narrow = torch.device("cpu"), finetune_module.BF16_MIN_HIDDEN_SIZE, 64
-    monkeypatch.setattr(finetune_module, "native_bf16", lambda device: False)
-    assert not finetune_module.uses_bf16("auto", cpu, wide) and finetune_module.uses_bf16("bf16", cpu, narrow)
-    monkeypatch.setattr(finetune_module, "native_bf16", lambda device: True)
-    assert finetune_module.uses_bf16("auto", cpu, wide) and not finetune_module.uses_bf16("auto", cpu, narrow)
-    assert not finetune_module.uses_bf16("no", cpu, wide)
+    cpu, wide, narrow = torch.device("cpu"), precision.BF16_MIN_HIDDEN_SIZE, 64
+    monkeypatch.setattr(precision, "native_bf16", lambda device: False)
+    assert not precision.uses_bf16("auto", cpu, wide) and precision.uses_bf16("bf16", cpu, narrow)
+    monkeypatch.setattr(precision, "native_bf16", lambda device: True)
+    assert precision.uses_bf16("auto", cpu, wide) and not precision.uses_bf16("auto", cpu, narrow)
+    assert not precision.uses_bf16("no", cpu, wide)
     with pytest.raises(ValueError, match=r"mixed_precision \(--[a-z-]+\) must be one of"):
         FinetuneSettings(mixed_precision="fp16")
 
@@ -159,19 +160,19 @@ def test_retrofit_end_to_end_on_stories260k(tmp_path):
             "0.5",
             "--rope-pairs",
             "3",
-            "--gate-dim",
+            "--gate-embedding-dim",
             "16",
             "--train-text",
             str(TINYSTORIES),
             "--steps",
             "5",
-            "--lr",
+            "--learning-rate",
             "3e-3",
             "--batch-size",
             "8",
             "--block-size",
             "128",
-            "--calib-blocks",
+            "--calibration-blocks",
             "16",
             "--eval-blocks",
             "16",
@@ -270,18 +271,19 @@ def test_finetune_cli_refuses_an_existing_output_and_resumes(tmp_path, capsys):
         [
             "convert",
             str(STORIES260K),
+            "--out",
             str(converted),
             "--kv-cut",
             "0.5",
             "--rope-pairs",
             "3",
-            "--calib-text",
+            "--train-text",
             str(TINYSTORIES),
             "--steps",
             "0",
             "--block-size",
             "64",
-            "--calib-blocks",
+            "--calibration-blocks",
             "8",
             "--eval-documents",
             "8",
@@ -332,7 +334,7 @@ def test_a_run_without_steps_takes_what_fits_in_its_minutes(pair):
     # The two steps timed to size the schedule are the run's first two, in its history, not passes thrown away.
     assert [entry["step"] for entry in result.history if "loss" in entry] == list(range(1, result.steps_done + 1))
     with pytest.raises(ValueError, match="steps=None sizes the run to max_minutes"):
-        FinetuneSettings(steps=None)
+        FinetuneSettings(steps=None, max_minutes=None)
 
 
 def test_a_checkpoint_without_its_schedule_length_is_not_budgeted_again(pair, tmp_path):

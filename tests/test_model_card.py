@@ -134,7 +134,7 @@ def story_text(tmp_path: Path) -> Path:
 
 
 def quick_conversion(text: Path) -> list[str]:
-    return ["--kv-lora-rank", "16", "--rope-mode", "decoupled", "--rope-pairs", "2", "--gate-embedding-dim", "8",
+    return ["--kv-lora-rank", "16", "--rope-split", "shared", "--rope-pairs", "2", "--gate-embedding-dim", "8",
             "--train-text", str(text), "--block-size", "32", "--calibration-blocks", "8", "--eval-documents", "4",
             "--reconstruction-steps", "0", "--steps", "0"]  # fmt: skip
 

@@ -29,7 +29,7 @@ def finetune_args(student: Path, out: Path, checkpoints: Path, grad_accum: int) 
         "5",
         "--batch-size",
         "2",
-        "--grad-accum",
+        "--gradient-accumulation-steps",
         str(grad_accum),
         "--block-size",
         "64",
@@ -41,7 +41,7 @@ def finetune_args(student: Path, out: Path, checkpoints: Path, grad_accum: int) 
         "0",
         "--save-every",
         "0",
-        "--lr",
+        "--learning-rate",
         "3e-3",
         "--ce-weight",
         "0.5",
@@ -57,8 +57,8 @@ def test_two_processes_equal_one_process_with_gradient_accumulation(tmp_path):
     needs_shared(STORIES260K)
     needs_shared(TINYSTORIES)
     student = tmp_path / "student"
-    main(["convert", str(STORIES260K), str(student), "--kv-cut", "0.5", "--rope-pairs", "3", "--gate-dim", "8",
-          "--calib-text", str(TINYSTORIES), "--calib-blocks", "4", "--block-size", "64", "--eval-documents", "8", "--steps", "0"])  # fmt: skip
+    main(["convert", str(STORIES260K), "--out", str(student), "--kv-cut", "0.5", "--rope-pairs", "3", "--gate-embedding-dim", "8",
+          "--train-text", str(TINYSTORIES), "--calibration-blocks", "4", "--block-size", "64", "--eval-documents", "8", "--steps", "0"])  # fmt: skip
 
     main(finetune_args(student, tmp_path / "one", tmp_path / "one.checkpoints", grad_accum=2))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), "-m", "egmla.cli"]

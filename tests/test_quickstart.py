@@ -34,7 +34,7 @@ def test_quickstart_on_the_shared_text_and_tokenizer(tmp_path):
             "quickstart",
             "--out",
             str(out),
-            "--text",
+            "--train-text",
             str(TINYSTORIES),
             "--tokenizer",
             str(STORIES260K),

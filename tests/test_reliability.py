@@ -82,7 +82,7 @@ def write_folders(tmp_path: Path) -> dict[str, Path]:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER / name, source / name)
     converted = tmp_path / "converted"
-    main(["convert", str(source), str(converted), "--kv-lora-rank", "16", "--rope-mode", "exact", "--calibration-blocks",
+    main(["convert", str(source), "--out", str(converted), "--kv-lora-rank", "16", "--rope-split", "exact", "--calibration-blocks",
           "8", "--block-size", "32", "--reconstruction-steps", "0"])  # fmt: skip
     quickstart = tmp_path / "quickstart"
     main(["quickstart", "--out", str(quickstart), "--steps", "1", "--batch-size", "2", "--block-size", "32"])

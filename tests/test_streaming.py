@@ -8,16 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from egmla.cli import main
 from egmla.conversion import ConversionOptions, convert_llama_to_egmla, load_llama
 from egmla.conversion.convert import build_student
-from egmla.conversion.pipeline import TextSettings, layer_wise_inputs, read_calibration_text, recovery_length
+from egmla.conversion.fitting_text import TextSettings, layer_wise_inputs, read_calibration_text, recovery_length
+from egmla.conversion.layer_source import SourceFiles
 from egmla.conversion.plan import plan_conversion
 from egmla.conversion.reconstruction import ReconstructionSettings, reconstruct_layers
 from egmla.conversion.source import load_tokenizer
-from egmla.conversion.streaming import SourceFiles
 from egmla.data import EXCERPT, WIKIPEDIA_HELD_OUT
 from egmla.text import (
     document_ids,
@@ -198,7 +199,7 @@ def test_streaming_refuses_what_needs_the_whole_model(tmp_path):
                 "--stream",
                 "--kv-cut",
                 "0.5",
-                "--gate-dim",
+                "--gate-embedding-dim",
                 "8",
                 *FLAGS,
             ]
@@ -246,3 +247,23 @@ def test_the_streamed_layer_wise_fit_equals_the_whole_model_one(tmp_path, family
         assert (streamed(input_ids).logits - closed_form(input_ids).logits).abs().max() > 1e-3  # the fit moved it
     # Scored as the layers streamed by, the fitted student beside its source (which fitting left as it was).
     assert_scores(report, source, {"source": load_llama(source), "layer-wise": whole}, rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_streamed_and_whole_model_conversions_with_the_same_options_give_equal_weights(tmp_path, family):
+    """`egmla convert` of one source with one set of options, the split left to the search: the whole-model
+    conversion and the streamed one write the same tensors (in closed form: the whole-model conversion keeps a
+    layer-wise fit only where it lowers the loss on blocks held aside, and the layer-wise fits are compared above)."""
+    source = sharded_source(tmp_path / "src", family)
+    flags = ["--kv-cut", "0.5", *FLAGS, *CLOSED_FORM, "--source-sample-share", "0"]
+    main(["convert", str(source), "--out", str(tmp_path / "whole"), "--steps", "0", *flags])
+    main(["convert", str(source), "--out", str(tmp_path / "streamed"), "--stream", *flags])
+    whole_report = json.loads((tmp_path / "whole" / "conversion_report.json").read_text())
+    assert whole_report["candidates"]  # the split was searched
+    whole = load_file(tmp_path / "whole" / "model.safetensors")
+    streamed = {}
+    for shard in sorted((tmp_path / "streamed").glob("*.safetensors")):
+        streamed.update(load_file(shard))
+    assert set(streamed) == set(whole) - {"lm_head.weight"} or set(streamed) == set(whole)
+    for name, tensor in streamed.items():
+        torch.testing.assert_close(tensor, whole[name], rtol=0, atol=1e-5, msg=name)

@@ -182,7 +182,7 @@ def assert_same_model(student, teacher, input_ids: torch.Tensor) -> None:
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "egmla" / "data" / "stories260K-tokenizer"
 # `egmla convert` flags that make a tiny conversion take a second: closed form, few short calibration blocks.
-FAST = ["--kv-lora-rank", "16", "--rope-mode", "exact", "--reconstruction-steps", "0", "--calibration-blocks", "4",
+FAST = ["--kv-lora-rank", "16", "--rope-split", "exact", "--reconstruction-steps", "0", "--calibration-blocks", "4",
         "--block-size", "32"]  # fmt: skip
 
 

@@ -29,6 +29,57 @@ def labelled_bars(ax, names: list[str], values: list[float], labels: list[str], 
     ax.set_ylim(top=max(values) * 1.2)  # room for the labels
 
 
+def accuracy_panel(ax, train: dict) -> None:
+    """(a) held-out next-token accuracy vs training tokens."""
+    for name, run in train["runs"].items():
+        tokens = [point["tokens"] / 1e6 for point in run["curve"]]
+        accuracy = [100 * point["accuracy"] for point in run["curve"]]
+        style = "--" if run["gate_embedding_dim"] == 0 else "-"
+        ax.plot(tokens, accuracy, style, marker="o", markersize=3, label=name)
+    ax.set(title="(a) accuracy vs training tokens", xlabel="training tokens (M)", ylabel="held-out next-token acc. (%)")
+    ax.legend(fontsize=7)
+
+
+def gate_size_panel(ax, train: dict) -> None:
+    """(b) final held-out loss vs gate-table parameters; MLA (gate off, the widest latent) as a flat line."""
+    widest = max(run["kv_lora_rank"] for run in train["runs"].values())
+    egmla = [run for run in train["runs"].values() if run["kv_lora_rank"] != widest]
+    mla = [run for run in train["runs"].values() if run["kv_lora_rank"] == widest]
+    ax.plot(
+        [run["gate_table_parameters"] / 1e3 for run in egmla],
+        [run["held_out_loss"] for run in egmla],
+        "o-",
+        label=f"EG-MLA, latent {egmla[0]['kv_lora_rank']}",
+    )
+    for run in mla:
+        ax.axhline(run["held_out_loss"], linestyle="--", color="gray", label=f"MLA, latent {run['kv_lora_rank']}")
+    ax.set(title="(b) loss vs gate embedding size", xlabel="gate-table parameters (K)", ylabel="held-out loss (nats)")
+    ax.legend(fontsize=7)
+
+
+def cache_panel(ax, kv: dict) -> None:
+    """(c) K/V cache elements per token."""
+    names = list(kv["rows"])
+    labelled_bars(
+        ax,
+        names,
+        [kv["rows"][name]["elements_per_token"] for name in names],
+        [f"{kv['rows'][name]['elements_per_token']:,.0f}\n{kv['rows'][name]['vs_mha']:+.1%}" for name in names],
+    )
+    ax.set(title=f"(c) KV cache elements per token ({kv['layers']} layers)", ylabel="elements / token")
+
+
+def decode_panel(ax, decode: dict) -> None:
+    """(d) decode latency: the largest context at the largest batch, where the cache's size weighs most."""
+    largest_batch = max(r["batch"] for r in decode["grid"])
+    row = max((r for r in decode["grid"] if r["batch"] == largest_batch), key=lambda r: r["context"])
+    ms = row["ms_per_token"]
+    names = list(ms)
+    labels = [f"{ms[n]:.0f}\n{ms[n] / ms['mha']:.2f}x" for n in names]
+    labelled_bars(ax, names, [ms[n] for n in names], labels, [column_label(n) for n in names])
+    ax.set(title=f"(d) decode, batch {row['batch']}, context {row['context']} (CPU)", ylabel="ms / token")
+
+
 def draw_figure(results: Path) -> tuple[Path, Path]:
     """Writes `figure.png` and `figure.md` into `results`; returns their paths."""
     import matplotlib
@@ -38,55 +89,10 @@ def draw_figure(results: Path) -> tuple[Path, Path]:
 
     kv, decode, train = load(results, "kv"), load(results, "decode"), load(results, "train")
     figure, axes = plt.subplots(1, 4, figsize=(22, 5.6))
-
-    # (a) held-out next-token accuracy vs training tokens
-    ax = axes[0]
-    for name, run in train["runs"].items():
-        tokens = [point["tokens"] / 1e6 for point in run["curve"]]
-        accuracy = [100 * point["accuracy"] for point in run["curve"]]
-        style = "--" if run["gate_embedding_dim"] == 0 else "-"
-        ax.plot(tokens, accuracy, style, marker="o", markersize=3, label=name)
-    ax.set(title="(a) accuracy vs training tokens", xlabel="training tokens (M)", ylabel="held-out next-token acc. (%)")
-    ax.legend(fontsize=7)
-
-    # (b) final held-out loss vs gate-table parameters; MLA (gate off) as a flat line
-    ax = axes[1]
-    egmla = [
-        run
-        for run in train["runs"].values()
-        if run["kv_lora_rank"] != max(r["kv_lora_rank"] for r in train["runs"].values())
-    ]
-    mla = [run for run in train["runs"].values() if run not in egmla]
-    ax.plot(
-        [r["gate_table_parameters"] / 1e3 for r in egmla],
-        [r["held_out_loss"] for r in egmla],
-        "o-",
-        label=f"EG-MLA, latent {egmla[0]['kv_lora_rank']}",
-    )
-    for run in mla:
-        ax.axhline(run["held_out_loss"], linestyle="--", color="gray", label=f"MLA, latent {run['kv_lora_rank']}")
-    ax.set(title="(b) loss vs gate embedding size", xlabel="gate-table parameters (K)", ylabel="held-out loss (nats)")
-    ax.legend(fontsize=7)
-
-    # (c) K/V cache elements per token
-    names = list(kv["rows"])
-    labelled_bars(
-        axes[2],
-        names,
-        [kv["rows"][name]["elements_per_token"] for name in names],
-        [f"{kv['rows'][name]['elements_per_token']:,.0f}\n{kv['rows'][name]['vs_mha']:+.1%}" for name in names],
-    )
-    axes[2].set(title=f"(c) KV cache elements per token ({kv['layers']} layers)", ylabel="elements / token")
-
-    # (d) decode latency: the largest context at the largest batch, where the cache's size weighs most
-    largest_batch = max(r["batch"] for r in decode["grid"])
-    row = max((r for r in decode["grid"] if r["batch"] == largest_batch), key=lambda r: r["context"])
-    ms = row["ms_per_token"]
-    names = list(ms)
-    labels = [f"{ms[n]:.0f}\n{ms[n] / ms['mha']:.2f}x" for n in names]
-    labelled_bars(axes[3], names, [ms[n] for n in names], labels, [column_label(n) for n in names])
-    axes[3].set(title=f"(d) decode, batch {row['batch']}, context {row['context']} (CPU)", ylabel="ms / token")
-
+    accuracy_panel(axes[0], train)
+    gate_size_panel(axes[1], train)
+    cache_panel(axes[2], kv)
+    decode_panel(axes[3], decode)
     figure.tight_layout()
     png = results / "figure.png"
     figure.savefig(png, dpi=80)

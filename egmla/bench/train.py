@@ -79,6 +79,55 @@ def model_config(bench: TrainBench, tokenizer, kv_lora_rank: int, gate_embedding
     )
 
 
+def train_variant(bench: TrainBench, name: str, dims: dict, tokenizer, blocks: tuple, folder: Path) -> dict:
+    """One variant trained from scratch (resuming its checkpoints) and scored on the held-out blocks."""
+    train_blocks, held_out = blocks
+    torch.manual_seed(bench.seed)
+    config = model_config(bench, tokenizer, **dims)
+    model = EGMLAForCausalLM(config)
+    started = time.time()
+    training = FinetuneSettings.from_scratch(
+        steps=bench.steps,
+        batch_size=bench.batch_size,
+        learning_rate=bench.learning_rate,
+        warmup_steps=max(1, bench.steps // 20),
+        eval_every=bench.eval_every,
+        save_every=bench.eval_every,
+        checkpoint_dir=folder / "checkpoints" / name,
+        resume=saved_checkpoint(folder / "checkpoints" / name) is not None,
+        seed=bench.seed,
+        max_minutes=bench.max_minutes_per_run,
+    )
+    result = finetune(model, None, train_blocks, training, eval_blocks=held_out)
+    loss, accuracy = loss_and_accuracy(result.model, held_out, bench.batch_size)
+    tokens_per_step = bench.batch_size * bench.block_size
+    curve = [
+        {"tokens": entry["step"] * tokens_per_step, "loss": entry["held_out_loss"], "accuracy": entry["held_out_accuracy"]}
+        for entry in result.history
+        if "held_out_loss" in entry
+    ]  # fmt: skip
+    print(f"{name}: held-out loss {loss:.4f}, accuracy {accuracy:.4f} after {result.steps_done} steps")
+    return {
+        "bench": bench_description(bench),
+        **dims,
+        "kv_values_per_token_per_layer": config.kv_cache_values_per_token() // config.num_hidden_layers,
+        "gate_table_parameters": config.num_gate_tables * config.vocab_size * config.gate_embedding_dim,
+        "parameters": sum(p.numel() for p in result.model.parameters()),
+        "steps_done": result.steps_done,
+        "tokens": result.steps_done * tokens_per_step,
+        "held_out_loss": loss,
+        "held_out_perplexity": math.exp(loss),
+        "held_out_accuracy": accuracy,
+        "curve": curve,
+        "seconds": round(time.time() - started, 1),
+    }
+
+
+def bench_description(bench: TrainBench) -> dict:
+    """The bench's settings as its JSON holds them: a cached run is reused only under the same ones."""
+    return json.loads(json.dumps(asdict(bench), default=str))
+
+
 def run_train(bench: TrainBench, results: Path) -> dict:
     """Trains every variant not already cached under `results/train/` (interrupted runs resume)."""
     if not Path(bench.train_text).is_file():
@@ -94,52 +143,12 @@ def run_train(bench: TrainBench, results: Path) -> dict:
     runs = {}
     for name, dims in variants(bench).items():
         cached = folder / f"{name}.json"
-        if cached.is_file() and json.loads(cached.read_text())["bench"] == json.loads(
-            json.dumps(asdict(bench), default=str)
-        ):
+        if cached.is_file() and json.loads(cached.read_text())["bench"] == bench_description(bench):
             runs[name] = json.loads(cached.read_text())
             print(f"{name}: cached in {cached}")
             continue
-        torch.manual_seed(bench.seed)
-        config = model_config(bench, tokenizer, **dims)
-        model = EGMLAForCausalLM(config)
-        started = time.time()
-        training = FinetuneSettings.from_scratch(
-            steps=bench.steps,
-            batch_size=bench.batch_size,
-            learning_rate=bench.learning_rate,
-            warmup_steps=max(1, bench.steps // 20),
-            eval_every=bench.eval_every,
-            save_every=bench.eval_every,
-            checkpoint_dir=folder / "checkpoints" / name,
-            resume=saved_checkpoint(folder / "checkpoints" / name) is not None,
-            seed=bench.seed,
-            max_minutes=bench.max_minutes_per_run,
-        )
-        result = finetune(model, None, train_blocks, training, eval_blocks=held_out)
-        loss, accuracy = loss_and_accuracy(result.model, held_out, bench.batch_size)
-        tokens_per_step = bench.batch_size * bench.block_size
-        curve = [
-            {"tokens": entry["step"] * tokens_per_step, "loss": entry["held_out_loss"], "accuracy": entry["held_out_accuracy"]}
-            for entry in result.history
-            if "held_out_loss" in entry
-        ]  # fmt: skip
-        runs[name] = {
-            "bench": json.loads(json.dumps(asdict(bench), default=str)),
-            **dims,
-            "kv_values_per_token_per_layer": config.kv_cache_values_per_token() // config.num_hidden_layers,
-            "gate_table_parameters": config.num_gate_tables * config.vocab_size * config.gate_embedding_dim,
-            "parameters": sum(p.numel() for p in result.model.parameters()),
-            "steps_done": result.steps_done,
-            "tokens": result.steps_done * tokens_per_step,
-            "held_out_loss": loss,
-            "held_out_perplexity": math.exp(loss),
-            "held_out_accuracy": accuracy,
-            "curve": curve,
-            "seconds": round(time.time() - started, 1),
-        }
+        runs[name] = train_variant(bench, name, dims, tokenizer, (train_blocks, held_out), folder)
         cached.write_text(json.dumps(runs[name], indent=2) + "\n")
-        print(f"{name}: held-out loss {loss:.4f}, accuracy {accuracy:.4f} after {result.steps_done} steps")
     return {
         "train_text": str(bench.train_text),
         "train_tokens_available": train_blocks.numel(),

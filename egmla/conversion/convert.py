@@ -59,9 +59,7 @@ class ConversionOptions:
     )
     # 0 by default: at the same budget the gate on the latent left held-out perplexity where it was for many more
     # parameters (docs/results.md#behind-the-defaults). The gate starts as the identity.
-    gate_embedding_dim: int = option(
-        0, "width of the gate tables; 0 = plain MLA", flags=("--gate-dim",), bounds="[0, inf)"
-    )
+    gate_embedding_dim: int = option(0, "width of the gate tables; 0 = plain MLA", bounds="[0, inf)")
     gate_position: str = option(
         "latent",
         "latent: the gate scales the cached latent (absorbed decode); kv: the paper's gate on the rebuilt K/V (every "
@@ -81,11 +79,6 @@ class ConversionOptions:
         0.5, "weight of key errors against value errors (chosen on stories260K)", bounds="(0, inf)"
     )
     seed: int = 0  # of the gate tables' random rows (the CLI's --seed, shared with sampling and training)
-
-    @property
-    def rope_mode(self) -> str:
-        """The model config's `rope_mode` this split gives ("auto" until the search has chosen)."""
-        return self.rope_split if self.rope_split in ("auto", "exact") else "decoupled"
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -142,7 +135,7 @@ def resolve_budget(source_config, options: ConversionOptions) -> Budget:
     them."""
     shape = attention_shape(source_config)
     head_dim, key_heads = shape.head_dim, shape.key_heads
-    if options.rope_mode == "auto":
+    if options.rope_split == "auto":
         raise ValueError("rope_split='auto' is resolved by egmla.conversion.search.choose_split before the budget.")
     exact, per_head = options.rope_split == "exact", options.rope_split == "per_head"
     pairs = options.rope_pairs if options.rope_pairs is not None else default_rope_pairs(head_dim, options.rope_split)
@@ -237,7 +230,7 @@ def factorize_layer(
     query, key, value = source_rows(attention)
     statistics = input_statistics(attention, statistics)
     split = split_rope(query, key, statistics, inv_freq, options.rope_split, budget.rope_pairs, options.pair_selection)
-    if has_bias(attention) and options.rope_mode != "exact":
+    if has_bias(attention) and options.rope_split != "exact":
         # A NoPE key bias adds q . b to every key of a query alike, which the softmax ignores; in "exact" mode it
         # is rotated with the key, so there it stays in the latent.
         split.nope_key[..., -1] = 0
@@ -254,17 +247,19 @@ def student_key_heads(source_config, options: "ConversionOptions") -> int:
     """The student's `num_key_value_heads`: the rebuilding forms (RoPE-exact keys, the gate on K/V) rebuild keys (and
     values) once per source KV head; the absorbed MQA never rebuilds, and keeps W^{UKV} per query head, free to part
     in the fitting."""
-    rebuilds = options.rope_mode == "exact" or (options.gate_position == "kv" and options.gate_embedding_dim > 0)
+    rebuilds = options.rope_split == "exact" or (options.gate_position == "kv" and options.gate_embedding_dim > 0)
     shape = attention_shape(source_config)
     return shape.key_heads if rebuilds else shape.query_heads
 
 
-def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConfig:
+def student_config(source: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConfig:
     """The EG-MLA config of the converted model: the source's dims, the budget's cache, the gate at the identity."""
-    config, options, budget = teacher.config, plan.options, plan.budget
+    config, options, budget = source.config, plan.options, plan.budget
     shape = attention_shape(config)
     # A plan without splits (a budget alone: a shape, as the benchmarks build) turns its rope keys on the first pairs.
-    frequencies = [split.frequencies for split in plan.splits] if options.rope_mode != "exact" and plan.splits else None
+    frequencies = (
+        [split.frequencies for split in plan.splits] if options.rope_split != "exact" and plan.splits else None
+    )
     return EGMLAConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -278,7 +273,7 @@ def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConf
         qk_rope_head_dim=2 * budget.rope_pairs,
         v_head_dim=shape.head_dim,
         rope_key_heads=budget.rope_key_heads,
-        rope_mode=options.rope_mode,
+        rope_mode="exact" if options.rope_split == "exact" else "decoupled",  # the model's words for the split
         gate_embedding_dim=options.gate_embedding_dim,
         gate_position=options.gate_position,
         gate_norm="none",  # a norm after the gate would change the function: the fresh gate must be the identity
@@ -287,11 +282,11 @@ def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConf
         max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.rms_norm_eps,
         tie_word_embeddings=config.tie_word_embeddings,
-        rope_parameters=llama_rope_parameters(teacher),
+        rope_parameters=llama_rope_parameters(source),
         rope_frequency_dim=shape.head_dim,
         rope_frequency_indices=frequencies,
         attention_dropout=config.attention_dropout,
-        attention_bias=has_bias(teacher.model.layers[0].self_attn),
+        attention_bias=has_bias(source.model.layers[0].self_attn),
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
@@ -299,11 +294,11 @@ def student_config(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConf
     )
 
 
-def attention_state(teacher: LlamaForCausalLM, plan: ConversionPlan) -> dict[str, torch.Tensor]:
+def attention_state(source: LlamaForCausalLM, plan: ConversionPlan) -> dict[str, torch.Tensor]:
     """The student's attention weights per layer from the plan's splits and truncated (down, up) factors."""
-    scaling = teacher.model.rotary_emb.attention_scaling
+    scaling = source.model.rotary_emb.attention_scaling
     state = {}
-    layers = zip(teacher.model.layers, plan.splits, plan.factors, strict=True)
+    layers = zip(source.model.layers, plan.splits, plan.factors, strict=True)
     for layer_idx, (layer, split, factor) in enumerate(layers):
         state.update(layer_attention_state(layer_idx, layer.self_attn, plan, (split, factor), scaling))
     return state
@@ -323,7 +318,7 @@ def layer_attention_state(
     query_factor = ((budget.nope_dim + 2 * budget.rope_pairs) / head_dim) ** 0.5
     # The source scales whole heads by the rope's attention factor (YaRN); NoPE dims must keep it. In "exact"
     # mode the rows in the NoPE slot are every dim of the head, rotated (and so scaled) as in the source.
-    nope_factor = query_factor * (1.0 if options.rope_mode == "exact" else attention_scaling**2)
+    nope_factor = query_factor * (1.0 if options.rope_split == "exact" else attention_scaling**2)
     prefix = f"model.layers.{layer_idx}.self_attn."
     up = up.view(key_heads, split.nope_key.shape[1] + head_dim, -1)  # per KV head: [rebuilt key ; value] rows
     queries = [
@@ -363,35 +358,35 @@ def output_state(prefix: str, attention: torch.nn.Module, group: int) -> dict[st
     return state
 
 
-def assemble(teacher: LlamaForCausalLM, config: EGMLAConfig, attention: dict, seed: int) -> EGMLAForCausalLM:
+def assemble(source: LlamaForCausalLM, config: EGMLAConfig, attention: dict, seed: int) -> EGMLAForCausalLM:
     """The student with the converted attention and everything else of the source; only the gate starts fresh
     (tables random, drawn from `seed` without touching the caller's random state; up-projection zero)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         student = EGMLAForCausalLM(config)
     state = dict(attention)
-    for name, tensor in teacher.state_dict().items():
+    for name, tensor in source.state_dict().items():
         if ".self_attn." not in name and "rotary_emb" not in name:
             state[name] = tensor
     missing, unexpected = student.load_state_dict(state, strict=False)
     assert all("gate_" in name for name in missing) and not unexpected, (missing, unexpected)
     if config.tie_word_embeddings:
         student.tie_weights()
-    return student.to(device=teacher.device, dtype=teacher.dtype).eval()  # where the source is, in its dtype
+    return student.to(device=source.device, dtype=source.dtype).eval()  # where the source is, in its dtype
 
 
 def plan_layers(
-    teacher: LlamaForCausalLM, options: ConversionOptions, statistics: list[LayerStatistics]
+    source: LlamaForCausalLM, options: ConversionOptions, statistics: list[LayerStatistics]
 ) -> ConversionPlan:
     """The plan for options whose rope split is chosen: the budget once, per layer one rope split and one
     factorization, the ranks allocated across layers."""
-    if options.rope_mode == "auto":
+    if options.rope_split == "auto":
         raise ValueError("rope_split='auto' is resolved by egmla.conversion.plan.plan_conversion before the layers.")
-    budget = resolve_budget(teacher.config, options)
-    inv_freq = teacher.model.rotary_emb.inv_freq.float().cpu()
+    budget = resolve_budget(source.config, options)
+    inv_freq = source.model.rotary_emb.inv_freq.float().cpu()
     splits, factorizations = [], []
     for layer, stats in zip(
-        tqdm(teacher.model.layers, desc="factorizing", unit="layer", leave=False), statistics, strict=True
+        tqdm(source.model.layers, desc="factorizing", unit="layer", leave=False), statistics, strict=True
     ):
         split, factorization = factorize_layer(layer.self_attn, stats, inv_freq, budget, options)
         splits.append(split)
@@ -401,7 +396,7 @@ def plan_layers(
     return ConversionPlan(options, budget, splits, factors, ranks)
 
 
-def build_student(teacher: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAForCausalLM:
+def build_student(source: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAForCausalLM:
     """The EG-MLA model a plan describes (see the module docstring, step 5); the source is never modified."""
-    config = student_config(teacher, plan)
-    return assemble(teacher, config, attention_state(teacher, plan), plan.options.seed)
+    config = student_config(source, plan)
+    return assemble(source, config, attention_state(source, plan), plan.options.seed)

@@ -79,24 +79,24 @@ def rebuild_warning(config: EGMLAConfig, source_config) -> str | None:
 
 
 @torch.no_grad()
-def measure_decode(teacher: torch.nn.Module, student: torch.nn.Module, repetitions: int = 3) -> dict:
+def measure_decode(source: torch.nn.Module, student: torch.nn.Module, repetitions: int = 3) -> dict:
     """ms per decode step of the source and the converted model on their default paths, interleaved in this process,
     at batch 8 and the source's context (at most 2048), over caches filled with random contents (a step costs the
     same whatever the cache holds); and the cache bytes per token (all layers) of real `generate` calls."""
-    context = min(MEASURED_CONTEXT, teacher.config.max_position_embeddings - 8)
+    context = min(MEASURED_CONTEXT, source.config.max_position_embeddings - 8)
     states = {
-        "source": decode_state(teacher, "dynamic", MEASURED_BATCH, context),
+        "source": decode_state(source, "dynamic", MEASURED_BATCH, context),
         "converted": decode_state(student, "dynamic", MEASURED_BATCH, context),
     }
     ms = median_ms(states, repetitions, steps=2)
-    probe = torch.randint(0, teacher.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    probe = torch.randint(0, source.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     return {
         "batch": MEASURED_BATCH,
         "context": context,
         "ms_per_step": ms,
         "ratio": ms["converted"] / ms["source"],
         "cache_bytes_per_token": {
-            "source": cache_bytes_per_token(teacher, probe, new_tokens=4),
+            "source": cache_bytes_per_token(source, probe, new_tokens=4),
             "converted": cache_bytes_per_token(student, probe, new_tokens=4),
         },
     }

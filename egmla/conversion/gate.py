@@ -91,7 +91,7 @@ def factorised_gate(delta: torch.Tensor, counts: torch.Tensor, channel_weights: 
 
 def fit_gate(
     student: EGMLAForCausalLM,
-    teacher: LlamaForCausalLM,
+    source: LlamaForCausalLM,
     blocks: torch.Tensor,
     plan: ConversionPlan,
     shrinkage: float,
@@ -101,12 +101,12 @@ def fit_gate(
     config = student.config
     if not config.gate_enabled or config.gate_position != "kv":
         return []
-    source_key_heads = attention_shape(teacher.config).key_heads
+    source_key_heads = attention_shape(source.config).key_heads
     group = config.num_key_value_heads // source_key_heads
     tokens, index = torch.unique(blocks.flatten(), return_inverse=True)
     counts = torch.bincount(index, minlength=len(tokens))
     pending, rows = [], []
-    layers = zip(teacher.model.layers, source_layers(teacher, blocks), plan.splits, strict=True)
+    layers = zip(source.model.layers, source_layers(source, blocks), plan.splits, strict=True)
     for layer_idx, (layer, inputs, split) in enumerate(
         tqdm(layers, desc="fitting the gate", unit="layer", total=config.num_hidden_layers, leave=False)
     ):

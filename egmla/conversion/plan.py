@@ -12,44 +12,48 @@ from transformers import LlamaForCausalLM, PreTrainedModel
 from ..modeling_egmla import EGMLAForCausalLM
 from .calibration import Calibration, LayerStatistics, layer_statistics
 from .convert import ConversionOptions, ConversionPlan, build_student, plan_layers
+from .layer_source import ModelLayers
 from .search import choose_split
 from .source import load_llama
 from .timing import StageTimes
 
 
 def plan_conversion(
-    teacher: LlamaForCausalLM, options: ConversionOptions, calibration: Calibration, times: StageTimes | None = None
+    source: LlamaForCausalLM, options: ConversionOptions, calibration: Calibration, times: StageTimes | None = None
 ) -> tuple[ConversionPlan, list[LayerStatistics]]:
     """The plan (with the split search's table where it ran) and the calibration statistics it was made with; the
     seconds of the search, the calibration and the factorization go into `times`."""
     times = times or StageTimes()
     with times.stage("split search") if options.rope_split == "auto" else nullcontext():
-        options, candidates, calibration = search_split(teacher, options, calibration)
+        options, candidates, calibration = search_split(source, options, calibration)
     if calibration is None and options.factorization == "activation":
         raise ValueError(
             'factorization="activation" needs calibration: token ids [N, S] or the statistics of calibrate(...).'
         )
     with times.stage("calibration"):
-        statistics = layer_statistics(teacher, calibration)
+        statistics = layer_statistics(source, calibration)
     with times.stage("factorization"):
-        plan = plan_layers(teacher, options, statistics)
+        plan = plan_layers(source, options, statistics)
     return dataclasses.replace(plan, candidates=candidates), statistics
 
 
 def search_split(
-    teacher: LlamaForCausalLM, options: ConversionOptions, calibration: Calibration
+    source: LlamaForCausalLM, options: ConversionOptions, calibration: Calibration
 ) -> tuple[ConversionOptions, list[dict], Calibration]:
     """The options with the split chosen where they leave it to the search ("auto"), its table, and what to
-    calibrate on next (the search's own statistics)."""
-    candidates = []
-    if options.rope_split == "auto":
-        if not isinstance(calibration, torch.Tensor):
-            raise ValueError(
-                "rope_split='auto' compares candidates on held-out calibration blocks: pass token ids [N, S] as "
-                "calibration, or choose rope_split 'shared', 'per_head' or 'exact'."
-            )
-        options, candidates, calibration = choose_split(teacher, options, calibration)
-    return options, candidates, calibration
+    calibrate on next (the statistics the search's pass collected)."""
+    if options.rope_split != "auto":
+        return options, [], calibration
+    if not isinstance(calibration, torch.Tensor):
+        raise ValueError(
+            "rope_split='auto' compares candidates on held-out calibration blocks: pass token ids [N, S] as "
+            "calibration, or choose rope_split 'shared', 'per_head' or 'exact'."
+        )
+    statistics = []
+    options, candidates = choose_split(
+        ModelLayers(source), options, calibration, lambda _, kept: statistics.append(kept)
+    )
+    return options, candidates, statistics or calibration
 
 
 def convert_llama_to_egmla(
@@ -64,6 +68,6 @@ def convert_llama_to_egmla(
             without recalibrating), or None: rope pairs chosen by weight norms alone, and only
             `factorization="weight"`.
     """
-    teacher = load_llama(source)
-    plan, _ = plan_conversion(teacher, options, calibration)
-    return build_student(teacher, plan)
+    source = load_llama(source)
+    plan, _ = plan_conversion(source, options, calibration)
+    return build_student(source, plan)

@@ -24,7 +24,7 @@ from transformers import LlamaForCausalLM
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
 from ..options import check_fields, option
 from ..outputs import replace_atomically
-from ..training import MIXED_PRECISIONS, fitting_autocast
+from ..precision import MIXED_PRECISIONS, fitting_autocast
 from .calibration import source_layers
 
 GATE_INITS = ("least_squares", "identity")
@@ -51,11 +51,10 @@ class ReconstructionSettings:
         "least_squares",
         "the gate on K/V set by per-token least squares on the calibration text, or left at the identity",
         GATE_INITS,
-        flags=("--gate-init",),
     )
     # Results barely moved between 4 and 64 pseudo-positions (docs/results.md#behind-the-defaults).
     gate_shrinkage: float = option(
-        16.0, "pseudo-positions pulling a rare token's gate toward 1", flags=("--gate-shrinkage",), bounds="[0, inf)"
+        16.0, "pseudo-positions pulling a rare token's gate toward 1", bounds="[0, inf)"
     )
     mixed_precision: str = option(
         "auto", "the layer-wise fit's forward passes under bfloat16 autocast (see --mixed-precision)", MIXED_PRECISIONS
@@ -256,7 +255,7 @@ def next_student_stream(block: StudentBlock, attended: torch.Tensor) -> torch.Te
 
 def reconstruct_layers(
     student: EGMLAForCausalLM,
-    teacher: LlamaForCausalLM,
+    source: LlamaForCausalLM,
     blocks: torch.Tensor,
     settings: ReconstructionSettings,
     fitted: FittedLayers | None = None,
@@ -273,14 +272,14 @@ def reconstruct_layers(
     with torch.no_grad():
         student_in = student.model.embed_tokens(blocks)
         rotary = student.model.rotary_emb(student_in, torch.arange(blocks.shape[1])[None])
-    rows, sources = [], source_layers(teacher, blocks)
+    rows, sources = [], source_layers(source, blocks)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         for layer_idx in tqdm(range(student.config.num_hidden_layers), desc="fitting layers", unit="layer"):
             block = student_block(student, layer_idx)
             with layer_autocast(block, settings, student_in.device):
-                source = next(sources)
-            streams = LayerStreams(student_in, source.hidden, source.hidden + source.attention)
+                target = next(sources)
+            streams = LayerStreams(student_in, target.hidden, target.hidden + target.attention)
             row = fitted.load(block, layer_idx) if fitted is not None else None
             if row is None:
                 fit = fit_layer(block, streams, blocks, rotary, settings)

@@ -1,9 +1,70 @@
-"""What a conversion report says: KV values per token measured on real caches, perplexities, a model card."""
+"""What a conversion report says: KV values per token measured on real caches, perplexities, a model card. Both
+conversions (the whole-model one and the streamed one) fill one `ConversionReport`; its `as_dict` is
+conversion_report.json, and everything here renders it."""
 
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..hub import SourceMetadata, perplexity_result, save_card
+from ..data import EXCERPT
+from ..hub import SourceMetadata, perplexity_result, save_card, source_metadata, text_dataset
 from ..outputs import finite, is_number, report_json
+
+SCORE_KEYS = ("perplexity", "perplexity_by_position", "extra_perplexity", "source_samples")
+
+
+@dataclass
+class ConversionReport:
+    """What a conversion did and measured."""
+
+    source: str  # the source's public name
+    options: dict  # the `ConversionOptions` converted with (the split search's choice)
+    budget: dict  # what they resolve to for this source (values per token per layer, the latent's width)
+    reconstruction: dict  # the layer-wise fit's settings and per-layer rows, the gate's fit
+    placement: dict  # device and dtype
+    candidates: list = field(default_factory=list)  # the split search's rows (none when the split was given)
+    text: dict = field(default_factory=dict)  # where the fitting and held-out text came from, how it was scored
+    scores: dict = field(default_factory=dict)  # `scoring.figures`: held-out perplexities by model and text
+    stages: list = field(default_factory=list)  # each fitting stage's loss on the blocks held aside, kept or not
+    saved_stage: str | None = None
+    kv: dict | None = None  # measured on `generate`'s caches (None: streamed, the budget's)
+    finetune: dict | None = None  # the recovery's summary
+    time_limit: float | None = None
+    memory: dict | None = None  # the memory estimate
+    decode: dict | None = None  # the decode cost against the source's, and a measured step
+    samples: list = field(default_factory=list)  # greedy continuations side by side
+    card: dict = field(default_factory=dict)  # the model card's metadata
+    streamed: bool = False
+    seconds: float = 0.0
+    stage_seconds: dict = field(default_factory=dict)
+
+    @property
+    def perplexity(self) -> dict:
+        return self.scores.get("perplexity", {})
+
+    def as_dict(self) -> dict:
+        """conversion_report.json: the text's description and the scores at the top level, and the first sample."""
+        fields = {item.name: getattr(self, item.name) for item in dataclasses.fields(self)}
+        flat = {name: value for name, value in fields.items() if name not in ("text", "scores")}
+        if self.samples:
+            flat["sample"] = self.samples[0]["prompt"] + self.samples[0]["converted"]["text"]
+        return {**flat, **self.text, **self.scores}
+
+    @classmethod
+    def from_dict(cls, flat: dict) -> "ConversionReport":
+        """A report read back from its JSON."""
+        names = {item.name for item in dataclasses.fields(cls)} - {"text", "scores"}
+        scores = {key: flat[key] for key in SCORE_KEYS if key in flat}
+        text = {key: value for key, value in flat.items() if key not in names | set(SCORE_KEYS) | {"sample"}}
+        return cls(**{name: flat[name] for name in names if name in flat}, text=text, scores=scores)
+
+
+def job_card(job) -> dict:
+    """A conversion job's model card metadata: the source's (or the job's `base_model` and `license`), the output's
+    name, the held-out text as its dataset."""
+    metadata = source_metadata(job.source, job.base_model, job.license)
+    eval_dataset = text_dataset(job.text.eval_text or job.text.train_text or EXCERPT)
+    return {**dataclasses.asdict(metadata), "model_name": Path(job.out).name, "eval_dataset": eval_dataset}
 
 
 def format_table(rows: list[tuple[str, str]]) -> str:
@@ -17,11 +78,11 @@ def extra_bytes(kv: dict) -> str:
     return f", {positions:.0f} B of position" if positions else ""
 
 
-def kv_row(report: dict) -> tuple[str, str]:
+def kv_row(report: ConversionReport) -> tuple[str, str]:
     """The cache per token: measured on `generate`'s caches, or (a streamed conversion, never run whole) the budget's."""
-    kv = report.get("kv")
+    kv = report.kv
     if kv is None:
-        budget = report["budget"]
+        budget = report.budget
         before, after = budget["source_values_per_token_per_layer"], budget["values_per_token_per_layer"]
         return "KV values / token / layer (the budget's)", f"{before} -> {after} ({1 - after / before:.2%} fewer)"
     return (
@@ -32,9 +93,9 @@ def kv_row(report: dict) -> tuple[str, str]:
     )
 
 
-def report_rows(report: dict) -> list[tuple[str, str]]:
-    rows = [("source", report["source"]), kv_row(report)]
-    gate = report.get("reconstruction", {}).get("gate")
+def report_rows(report: ConversionReport) -> list[tuple[str, str]]:
+    rows = [("source", report.source), kv_row(report)]
+    gate = report.reconstruction.get("gate")
     if gate:
         fitted = [row for row in gate if row["fitted"]]
         identity = sum(row["attention_error"] for row in gate)
@@ -45,19 +106,19 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
                 f"{len(fitted)} of {len(gate)} tables; attention error on calibration {kept / identity - 1:+.1%}",
             )
         )
-    scored = "whole documents" + (", bf16 autocast" if report.get("scoring_autocast") else "")
-    for name, value in report.get("perplexity", {}).items():
+    scored = "whole documents" + (", bf16 autocast" if report.text.get("scoring_autocast") else "")
+    for name, value in report.perplexity.items():
         if value is not None:
             rows.append((f"held-out perplexity, {name}", f"{value:.3f} ({scored})"))
-    source_ppl = report.get("perplexity", {}).get("source")
+    source_ppl = report.perplexity.get("source")
     for name in ("zero-shot", "layer-wise", "fine-tuned"):
-        value = report.get("perplexity", {}).get(name)
+        value = report.perplexity.get(name)
         if source_ppl and value:
             rows.append((f"  {name} vs source", f"{value / source_ppl - 1:+.2%}"))
     rows += generality_rows(report)
-    if report.get("stages"):
+    if report.stages:
         rows.append(("saved stage", stage_summary(report)))
-    return rows + decode_rows(report.get("decode"))
+    return rows + decode_rows(report.decode)
 
 
 def versus(values: dict, name: str) -> str:
@@ -68,15 +129,15 @@ def versus(values: dict, name: str) -> str:
     return f"{value:.3f}" + (f" ({value / source - 1:+.2%})" if source and name != "source" else "")
 
 
-def generality_rows(report: dict) -> list[tuple[str, str]]:
+def generality_rows(report: ConversionReport) -> list[tuple[str, str]]:
     """Beyond the fitting domain: perplexity on each extra held-out text, and on the source's own samples held aside
     from every stage with the KL from the source's predictions (what a conversion keeps of its source in general)."""
     rows = []
-    extra = report.get("extra_perplexity", {})
+    extra = report.scores.get("extra_perplexity", {})
     for text_name in dict.fromkeys(name for scores in extra.values() for name in scores):
         values = {model: scores[text_name] for model, scores in extra.items() if text_name in scores}
         rows.append((f"held-out perplexity, {text_name}", ", ".join(f"{m} {versus(values, m)}" for m in values)))
-    samples = report.get("source_samples", {})
+    samples = report.scores.get("source_samples", {})
     if samples:
         values = {model: row["perplexity"] for model, row in samples.items()}
         kl = ", ".join(
@@ -84,16 +145,16 @@ def generality_rows(report: dict) -> list[tuple[str, str]]:
             for m, row in samples.items()
             if m != "source" and row["kl_to_source"] is not None
         )
-        count = report.get("held_aside_samples")
+        count = report.text.get("held_aside_samples")
         rows.append((f"source's samples ({count} held aside)", ", ".join(f"{m} {versus(values, m)}" for m in values)))
         rows.append(("  KL to the source (nats/token)", kl))
     return rows
 
 
-def samples_table(report: dict) -> str:
+def samples_table(report: ConversionReport) -> str:
     """The source's and the converted model's greedy continuations of the same prompts, with their loops."""
     lines = []
-    for row in report.get("samples", []):
+    for row in report.samples:
         lines.append(f"\nprompt: {row['prompt']!r}")
         for name in ("source", "converted"):
             sample = row[name]
@@ -101,17 +162,17 @@ def samples_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def stage_summary(report: dict) -> str:
+def stage_summary(report: ConversionReport) -> str:
     """Which stage the saved model is, and each stage's loss on the blocks held aside from all fitting."""
     losses = [
         f"{row['stage']} {row['selection_loss']:.4f}{'' if row['kept'] else ' (not kept)'}"
-        for row in report["stages"]
+        for row in report.stages
         if row["selection_loss"] is not None
     ]
     if not losses:
-        return f"{report['saved_stage']} (no blocks held aside to compare stages: every stage kept)"
-    blocks = report.get("selection_blocks")
-    return f"{report['saved_stage']} (loss on {blocks} fitting blocks held aside: {', '.join(losses)})"
+        return f"{report.saved_stage} (no blocks held aside to compare stages: every stage kept)"
+    blocks = report.text.get("selection_blocks")
+    return f"{report.saved_stage} (loss on {blocks} fitting blocks held aside: {', '.join(losses)})"
 
 
 def decode_rows(decode: dict | None) -> list[tuple[str, str]]:
@@ -136,9 +197,9 @@ def decode_rows(decode: dict | None) -> list[tuple[str, str]]:
     ]
 
 
-def position_table(report: dict) -> str:
+def position_table(report: ConversionReport) -> str:
     """Held-out perplexity per bucket of positions, one column per model (source, zero-shot, fine-tuned)."""
-    by_position = report.get("perplexity_by_position", {})
+    by_position = report.scores.get("perplexity_by_position", {})
     if not by_position:
         return ""
     names = list(by_position)
@@ -150,9 +211,9 @@ def position_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def candidate_table(report: dict) -> str:
+def candidate_table(report: ConversionReport) -> str:
     """The splits the default search compared at the same budget (zero-shot, held-out calibration blocks)."""
-    rows = report.get("candidates") or []
+    rows = report.candidates
     if not rows:
         return ""
     source = rows[0]["perplexity"]
@@ -171,51 +232,51 @@ def candidate_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def print_report(report: dict) -> None:
+def print_report(report: ConversionReport) -> None:
     print("\nEG-MLA conversion report")
     print(format_table(report_rows(report)))
-    if report.get("candidates"):
-        source = report["candidates"][0]
+    if report.candidates:
+        source = report.candidates[0]
         print(
             f"\nsplits compared at this budget (source {source['perplexity']:.3f}, "
             f"{source['cost']['multiply_adds_per_token_per_layer']:,.0f} multiply-adds per cached token per layer):"
         )
         print(candidate_table(report))
-    if report.get("perplexity_by_position"):
-        print(f"\nheld-out perplexity by position ({report.get('eval_documents')} whole documents):")
+    if report.scores.get("perplexity_by_position"):
+        print(f"\nheld-out perplexity by position ({report.text.get('eval_documents')} whole documents):")
         print(position_table(report))
-    if report.get("samples"):
+    if report.samples:
         print("\nsamples side by side (greedy):" + samples_table(report))
-    if report.get("stage_seconds"):
-        stages = ", ".join(f"{name} {seconds:g}" for name, seconds in report["stage_seconds"].items())
-        print(f"\nseconds by stage: {stages} (of {report['seconds']:g} in all)")
+    if report.stage_seconds:
+        stages = ", ".join(f"{name} {seconds:g}" for name, seconds in report.stage_seconds.items())
+        print(f"\nseconds by stage: {stages} (of {report.seconds:g} in all)")
 
 
-def output_perplexity(report: dict) -> float | None:
+def output_perplexity(report: ConversionReport) -> float | None:
     """The held-out perplexity of the model the folder holds: its saved stage's (else its last stage's)."""
-    scores = report.get("perplexity", {})
-    if report.get("saved_stage"):
-        return scores.get(report["saved_stage"])
+    scores = report.perplexity
+    if report.saved_stage:
+        return scores.get(report.saved_stage)
     return next((scores[name] for name in ("fine-tuned", "layer-wise", "zero-shot") if scores.get(name)), None)
 
 
-def gate_words(report: dict) -> str:
+def gate_words(report: ConversionReport) -> str:
     """What the card says of the embedding gate, from the conversion options."""
-    options = report.get("options", {})
+    options = report.options
     if not options.get("gate_embedding_dim"):
         return "the embedding gate off: plain MLA"
     return f"the embedding gate on the {'rebuilt K/V' if options['gate_position'] == 'kv' else 'latent'}"
 
 
-def measurement_words(report: dict) -> str:
+def measurement_words(report: ConversionReport) -> str:
     """How the card's measurements were made."""
-    if report.get("streamed"):
-        fitted = report.get("reconstruction", {}).get("layers")
+    if report.streamed:
+        fitted = report.reconstruction.get("layers")
         form = "with the layer-wise fit" if fitted else "in closed form"
         scored = (
             f"perplexities are on held-out documents never used for fitting, each scored whole from its first token "
-            f"up to the source's context as the layers streamed by ({report['eval_text']})"
-            if report.get("perplexity")
+            f"up to the source's context as the layers streamed by ({report.text['eval_text']})"
+            if report.perplexity
             else "nothing was scored"
         )
         return (
@@ -225,21 +286,22 @@ def measurement_words(report: dict) -> str:
     return (
         "KV values are read from the cache objects of real `generate` calls; perplexities are on held-out documents "
         "never used for fitting, each scored whole from its first token up to the source's context "
-        f"({report.get('eval_text', 'see the report')})."
+        f"({report.text.get('eval_text', 'see the report')})."
     )
 
 
-def write_model_card(folder: Path, report: dict) -> None:
-    """README.md (a Hub model card made by huggingface_hub, its metadata from `report["card"]`) and
+def write_model_card(folder: Path, report: ConversionReport) -> None:
+    """README.md (a Hub model card made by huggingface_hub, its metadata from `report.card`) and
     conversion_report.json in the output folder."""
-    (folder / "conversion_report.json").write_text(report_json(report))
-    report = finite(report)  # the card shows no NaN: a score that is not a number is left out
-    card = report.get("card", {})
+    (folder / "conversion_report.json").write_text(report_json(report.as_dict()))
+    # The card shows no NaN: a score that is not a number is left out.
+    report = ConversionReport.from_dict(finite(report.as_dict()))
+    card = report.card
     settings = "\n".join(
-        f"| `{key}` | `{value}` |" for part in ("options", "budget") for key, value in report[part].items()
+        f"| `{key}` | `{value}` |" for part in (report.options, report.budget) for key, value in part.items()
     )
     table = "\n".join(f"| {name} | {value} |" for name, value in report_rows(report))
-    source = card.get("base_model") or report["source"]
+    source = card.get("base_model") or report.source
     value = output_perplexity(report)
     results = [perplexity_result(value, card.get("eval_dataset"))] if is_number(value) else None
     body = f"""

@@ -167,13 +167,13 @@ def split_rope(
     return split_shared(query, key, statistics, inv_freq, pairs, selection)
 
 
-def llama_rope_parameters(teacher: LlamaForCausalLM) -> dict:
+def llama_rope_parameters(source: LlamaForCausalLM) -> dict:
     """The source's rope parameters, in EG-MLA's (DeepSeek's) convention: Llama puts YaRN's mscale only into
     cos/sin, while EG-MLA would also square `mscale_all_dim` into the softmax scale, so the attention factor is
     given explicitly and the mscale keys are dropped."""
-    parameters = dict(teacher.config.rope_parameters)
+    parameters = dict(source.config.rope_parameters)
     if parameters.get("rope_type") == "yarn" and ("mscale" in parameters or "mscale_all_dim" in parameters):
         parameters.pop("mscale", None)
         parameters.pop("mscale_all_dim", None)
-        parameters["attention_factor"] = float(teacher.model.rotary_emb.attention_scaling)
+        parameters["attention_factor"] = float(source.model.rotary_emb.attention_scaling)
     return parameters

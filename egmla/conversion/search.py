@@ -1,20 +1,37 @@
 """The default split (`rope_split="auto"`): with only a budget given, convert a few absorbable ways at that budget (a
 decoupled rope key of a few widths, the latent taking the rest), score each on a held-out slice of the calibration
-blocks, and keep the best. Every candidate's perplexity goes into the report beside its decode cost against the
-source (values read and multiply-adds per cached token per layer), so a user can trade quality for decode speed
-knowingly. The rebuilding RoPE-exact latent is converted only when asked for by name (`rope_split="exact"`): it keeps
+blocks, and keep the best. One pass over the source's layers (`LayerSource`: a model in memory, or a checkpoint read
+a layer at a time) does it: as each layer goes by it is calibrated on the rest of the blocks, every candidate
+converts it in closed form (gate-free, every layer at the same rank), and each candidate's own residual stream over
+the held-out blocks advances through its converted layer beside the source's; at the end the final norm and the
+head score every stream. The statistics go to the caller layer by layer (`keep`), so the conversion that follows
+reads them instead of calibrating again. Every candidate's perplexity goes into the report beside its decode cost
+against the source (values read and multiply-adds per cached token per layer), so a user can trade quality for
+decode speed knowingly. The rebuilding RoPE-exact latent is converted only when asked for by name (`rope_split="exact"`): it keeps
 RoPE exact but rebuilds every cached key at every step, several times the source's arithmetic."""
 
 import copy
 import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
-from transformers import LlamaForCausalLM
+from tqdm.auto import tqdm
 
-from ..text import packed_blocks, perplexity
-from .calibration import LayerStatistics, calibrate
-from .convert import ConversionOptions, build_student, cut_values, plan_layers, student_key_heads
+from ..text import packed_blocks
+from .calibration import LayerStatistics
+from .convert import (
+    Budget,
+    ConversionOptions,
+    ConversionPlan,
+    cut_values,
+    factorize_layer,
+    resolve_budget,
+    student_key_heads,
+)
 from .decode_cost import cost_row, egmla_cost, source_cost
+from .layer_source import LayerSource, layer_config, run_layer, student_layer, student_layer_output, student_layer_state
 from .source import attention_shape
 
 HELD_OUT_BLOCKS = 8  # at most: a slice of the calibration blocks that the candidates are not fitted on
@@ -41,12 +58,12 @@ def shared_key_pairs(values: int, share: float) -> int:
     return max(1, round(values * share / 2))
 
 
-def candidates(teacher: LlamaForCausalLM, options: ConversionOptions) -> list[ConversionOptions]:
-    """One shared rope key of each width of `rope_pair_choices` (a given mode, or given rope-key flags, leave
-    nothing to choose)."""
+def candidates(source_config, options: ConversionOptions) -> list[ConversionOptions]:
+    """One shared rope key of each width of `rope_pair_choices` (a given split, or a given width, leaves nothing to
+    choose)."""
     if options.rope_split != "auto":
         return [options]
-    pairs = rope_pair_choices(teacher.config, options)
+    pairs = rope_pair_choices(source_config, options)
     if not pairs:
         raise ValueError(
             f"A {options.kv_cut:.2%} cut leaves no room for a rope key beside a latent: lower kv_cut, or choose "
@@ -57,7 +74,7 @@ def candidates(teacher: LlamaForCausalLM, options: ConversionOptions) -> list[Co
 
 def decode_path(options: ConversionOptions) -> str:
     """How a model converted with `options` decodes (what its speed and serving depend on)."""
-    if options.rope_mode == "exact":
+    if options.rope_split == "exact":
         return "rebuilt: every cached latent re-expanded, keys rotated, each step"
     if options.gate_position == "kv" and options.gate_embedding_dim > 0:
         return "rebuilt: every cached latent re-expanded each step (gate on K/V)"
@@ -88,7 +105,7 @@ def candidate_row(choice: ConversionOptions, budget, perplexity_value: float, co
     return {
         "candidate": describe(choice, budget.kv_lora_rank),
         "rope_split": choice.rope_split,
-        "rope_pairs": None if choice.rope_mode == "exact" else budget.rope_pairs,
+        "rope_pairs": None if choice.rope_split == "exact" else budget.rope_pairs,
         "kv_lora_rank": budget.kv_lora_rank,
         "values_per_token_per_layer": budget.values_per_token_per_layer,
         "perplexity": perplexity_value,
@@ -97,29 +114,97 @@ def candidate_row(choice: ConversionOptions, budget, perplexity_value: float, co
     }
 
 
+@dataclass
+class CandidateStream:
+    """One candidate split, its gate-free form as the search converts it, and its residual stream over the held-out
+    blocks [M, L, D] on the host."""
+
+    choice: ConversionOptions
+    options: ConversionOptions
+    budget: Budget
+    hidden: torch.Tensor
+    frequencies: list = field(default_factory=list)  # each converted layer's rope frequencies
+
+    def config(self, source_model):
+        return layer_config(source_model, self.options, self.budget, self.frequencies)
+
+
+def candidate_stream(source_config, choice: ConversionOptions, hidden: torch.Tensor) -> CandidateStream:
+    """The search converts without the gate (it starts as the identity, and its tables span layers)."""
+    options = dataclasses.replace(choice, gate_embedding_dim=0, gate_position="latent")
+    return CandidateStream(choice, options, resolve_budget(source_config, options), hidden)
+
+
+@torch.no_grad()
+def advance(
+    candidate: CandidateStream, source_model, layer, layer_idx: int, statistics: LayerStatistics, inv_freq
+) -> None:
+    """The candidate's conversion of `layer` in closed form, and its stream moved past it."""
+    split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, candidate.budget, candidate.options)
+    plan = ConversionPlan(candidate.options, candidate.budget, [], [], [])
+    converted = (split, factorization.truncate(candidate.budget.kv_lora_rank))
+    state = student_layer_state(source_model, layer, layer_idx, converted, plan)
+    candidate.frequencies.append(split.frequencies)
+    student, rotary = student_layer(state, layer_idx, candidate.config(source_model), layer.input_layernorm.weight)
+    candidate.hidden = student_layer_output(student, candidate.hidden, rotary)
+
+
+@torch.no_grad()
+def stream_perplexity(hidden: torch.Tensor, blocks: torch.Tensor, norm: torch.nn.Module, head: torch.Tensor) -> float:
+    """Next-token perplexity of a final residual stream [M, L, D] over its blocks [M, L], a block at a time."""
+    total = 0.0
+    for states, ids in zip(hidden, blocks, strict=True):
+        logits = torch.nn.functional.linear(norm(states.to(head.device)), head).float()
+        total += torch.nn.functional.cross_entropy(logits[:-1], ids[1:].to(head.device)).item()
+    return math.exp(total / len(blocks))
+
+
+def candidate_streams(source: LayerSource, choices: list, blocks: torch.Tensor, keep: Callable) -> tuple:
+    """Every layer calibrated on `blocks` but the held-out few (its statistics given to `keep(layer_idx,
+    statistics)`), each candidate's stream and the source's advanced past it: (the candidates, the source's
+    stream, the held-out blocks)."""
+    config = source.config
+    fit, held_out = held_out_split(blocks, config.max_position_embeddings)
+    embeddings = source.embeddings()
+    hidden, source_stream = (torch.nn.functional.embedding(ids, embeddings) for ids in (fit, held_out))
+    streams = [candidate_stream(config, choice, source_stream.clone()) for choice in choices]
+    inv_freq = source.model.model.rotary_emb.inv_freq.float().cpu()
+    for layer_idx in tqdm(range(config.num_hidden_layers), desc="searching the split", unit="layer", leave=False):
+        layer = source.layer(layer_idx)
+        rotary = source.rotary(layer)
+        statistics, hidden = run_layer(layer, hidden, rotary)
+        keep(layer_idx, statistics)
+        for candidate in streams:
+            advance(candidate, source.model, layer, layer_idx, statistics, inv_freq)
+        _, source_stream = run_layer(layer, source_stream, rotary, record=False)
+        del layer  # a layer read from files is freed before the next one is read
+    return streams, source_stream, held_out
+
+
 def choose_split(
-    teacher: LlamaForCausalLM, options: ConversionOptions, blocks: torch.Tensor
-) -> tuple[ConversionOptions, list[dict], list[LayerStatistics]]:
-    """(the best candidate's options, every candidate's row, the statistics to convert with). Calibrates once on
-    the blocks but the last few, scores each candidate on those, zero-shot."""
-    choices = candidates(teacher, options)
+    source: LayerSource, options: ConversionOptions, blocks: torch.Tensor, keep: Callable
+) -> tuple[ConversionOptions, list[dict]]:
+    """(the best candidate's options, every candidate's row: its held-out perplexity, zero-shot, and its decode
+    cost). With nothing to choose: (the options, []), and nothing calibrated."""
+    config = source.config
+    choices = candidates(config, options)
     if len(choices) == 1:
-        return choices[0], [], calibrate(teacher, blocks)
-    fit, held_out = held_out_split(blocks, teacher.config.max_position_embeddings)
-    statistics = calibrate(teacher, fit)
-    source = source_cost(teacher.config)
-    rows = [{"candidate": "source", "perplexity": perplexity(teacher, held_out), "cost": cost_row(source, source)}]
-    for choice in choices:
-        plan = plan_layers(teacher, dataclasses.replace(choice, gate_embedding_dim=0), statistics)
-        student = build_student(teacher, plan)
-        cost = candidate_cost(student.config, choice, teacher.config)
-        rows.append(candidate_row(choice, plan.budget, perplexity(student, held_out), cost))
+        return choices[0], []
+    streams, source_stream, held_out = candidate_streams(source, choices, blocks, keep)
+    norm, head = source.norm_and_head()
+    costs = source_cost(config)
+    rows = [{"candidate": "source", "perplexity": stream_perplexity(source_stream, held_out, norm, head),
+             "cost": cost_row(costs, costs)}]  # fmt: skip
+    for candidate in streams:
+        cost = candidate_cost(candidate.config(source.model), candidate.choice, config)
+        value = stream_perplexity(candidate.hidden, held_out, norm, head)
+        rows.append(candidate_row(candidate.choice, candidate.budget, value, cost))
     best = min(range(len(choices)), key=lambda index: rows[index + 1]["perplexity"])
     rows[best + 1]["chosen"] = True
-    return choices[best], rows, statistics
+    return choices[best], rows
 
 
 def describe(options: ConversionOptions, kv_lora_rank: int) -> str:
-    if options.rope_mode == "exact":
+    if options.rope_split == "exact":
         return f"RoPE-exact latent of {kv_lora_rank}"
     return f"rope key of {options.rope_pairs} pairs + latent of {kv_lora_rank}"

@@ -3,9 +3,9 @@ safetensors files (`safe_open`), calibrated on the hidden states the layer befor
 the chosen dtype), factorized, fitted by the layer-wise fit (as the whole-model conversion fits it, on the source's
 and the student's streams, also kept on the host), and its student layer written as a shard of its own; peak memory
 is one source layer and one student layer, the embeddings and the activations, not two whole models. With the split
-left to the search, a first pass streams the layers for it (`stream_search.py`) and the conversion reads the
+left to the search, a first pass streams the layers for it (`search.py`, the whole-model conversion's search) and the conversion reads the
 statistics it saved. The held-out documents move through each source layer and its student layer as they go by
-(`stream_scoring.py`). The gate and the recovery need the whole model: streaming does without them."""
+(`scoring.py`, which scores the whole-model conversion's too). The gate and the recovery need the whole model: streaming does without them."""
 
 import dataclasses
 import json
@@ -22,31 +22,26 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
 
-from ..hub import public_name, source_metadata
+from ..hub import public_name
 from ..modeling_egmla import EGMLAForCausalLM
 from ..outputs import atomic_folder, check_output_folder
+from ..precision import uses_bf16
 from ..text import document_ids, token_blocks
-from ..training import uses_bf16
 from .calibration import source_layer_pass
 from .convert import ConversionOptions, ConversionPlan, factorize_layer, resolve_budget
-from .layer_stream import (
-    SourceFiles,
-    final_norm_and_head,
-    layer_config,
-    run_layer,
-    source_layer,
-    source_shell,
-    student_layer,
-    student_layer_state,
-)
-from .pipeline import (
+from .fitting_text import (
     extra_documents,
     fitting_and_held_out,
-    held_out_dataset,
     layer_wise_inputs,
     recovery_length,
     split_train_text,
-    start_work,
+)
+from .layer_source import (
+    ShardedLayers,
+    layer_config,
+    run_layer,
+    student_layer,
+    student_layer_state,
 )
 from .reconstruction import (
     LayerStreams,
@@ -56,12 +51,12 @@ from .reconstruction import (
     layer_autocast,
     next_student_stream,
 )
-from .report import print_report, write_model_card
+from .report import ConversionReport, job_card, print_report, write_model_card
+from .scoring import DocumentStreams, advance_documents, document_streams, score_streams
+from .search import choose_split
 from .source import check_tokenizer, load_tokenizer, source_config
-from .stream_scoring import DocumentStreams, advance_documents, document_scores, document_streams
-from .stream_search import load_statistics, streamed_split_search
-from .stream_work import StreamWork
 from .timing import StageTimes
+from .work import StreamWork, start_work
 
 
 def check_streamable(options: ConversionOptions) -> None:
@@ -179,35 +174,37 @@ def both_streams(streams: FittingStreams | DocumentStreams | None) -> list | Non
     return None if streams is None else [streams.source, streams.student]
 
 
-def layer_by_layer(shell, files: SourceFiles, job, plan: ConversionPlan, work: StreamWork, text, statistics_folder):
-    """Every layer read, calibrated on `text.blocks` (or its statistics read from `statistics_folder`, where the split
-    search saved them), factorized, fitted and written to `work`, the held-out documents moved past it: a
-    `LayersWritten`. A killed run's pass continues after its last finished layer."""
-    options, budget, placement = plan.options, plan.budget, job.placement
-    context = shell.config.max_position_embeddings
-    embeddings = files.read("model.embed_tokens.")["weight"].to(placement.torch_dtype)
-    bf16 = uses_bf16(job.text.scoring_mixed_precision, placement.torch_device(), shell.config.hidden_size)
+def layer_by_layer(source: ShardedLayers, job, plan: ConversionPlan, work: StreamWork, text, searched: bool):
+    """Every layer read, calibrated on `text.blocks` (or, where the split search ran, its statistics read back from
+    `work`), factorized, fitted and written to `work`, the held-out documents moved past it: a `LayersWritten`. A
+    killed run's pass continues after its last finished layer."""
+    options, budget, placement, source_model = plan.options, plan.budget, job.placement, source.model
+    context = source_model.config.max_position_embeddings
+    embeddings = source.embeddings()
+    bf16 = uses_bf16(job.text.scoring_mixed_precision, placement.torch_device(), source_model.config.hidden_size)
     written = LayersWritten(
         documents=document_streams(text.documents, embeddings, context, bf16) if text.documents else None,
         extra={name: document_streams(ids, embeddings, context, bf16) for name, ids in text.extra.items() if ids},
-        hidden=None if statistics_folder else torch.nn.functional.embedding(text.blocks, embeddings),
+        hidden=None if searched else torch.nn.functional.embedding(text.blocks, embeddings),
         fitting=fitting_streams(text.blocks, embeddings, job, context),
     )
     if (progress := work.saved_progress()) is not None:
         written.restore(progress)
-    inv_freq = shell.model.rotary_emb.inv_freq.float().cpu()
-    layers = range(written.next_layer, shell.config.num_hidden_layers)
+    inv_freq = source_model.model.rotary_emb.inv_freq.float().cpu()
+    layers = range(written.next_layer, source_model.config.num_hidden_layers)
     for layer_idx in tqdm(layers, desc="streaming layers", unit="layer", leave=False):
-        layer = source_layer(shell, files, layer_idx, placement)
-        rotary = shell.model.rotary_emb.to(layer.input_layernorm.weight.device)
-        if statistics_folder:
-            statistics = load_statistics(statistics_folder, layer_idx)
+        layer = source.layer(layer_idx)
+        rotary = source.rotary(layer)
+        if searched:
+            statistics = work.load_statistics(layer_idx)
         else:
             statistics, written.hidden = run_layer(layer, written.hidden, rotary)
         split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, budget, options)
-        state = student_layer_state(shell, layer, layer_idx, (split, factorization.truncate(budget.kv_lora_rank)), plan)
+        state = student_layer_state(
+            source_model, layer, layer_idx, (split, factorization.truncate(budget.kv_lora_rank)), plan
+        )
         written.frequencies.append(split.frequencies)
-        config = layer_config(shell, options, budget, written.frequencies)
+        config = layer_config(source_model, options, budget, written.frequencies)
         if written.fitting is not None:
             state, row = fit_streamed_layer(layer, layer_idx, state, config, written.fitting, rotary)
             written.rows.append(row)
@@ -232,7 +229,7 @@ def held_out_documents(job, tokenizer, context: int) -> tuple[list[torch.Tensor]
     return held_out, eval_source, extra_documents(tokenizer, job.text, context)
 
 
-def run_streaming_conversion(job) -> dict:
+def run_streaming_conversion(job) -> ConversionReport:
     """Converts `job.source` (a local folder of safetensors) layer by layer into `job.out`: the split search's pass
     where the split is left to it, then the conversion's (the closed form, and the layer-wise fit unless it is off),
     scoring the held-out documents as it goes."""
@@ -243,67 +240,62 @@ def run_streaming_conversion(job) -> dict:
     started, times = time.time(), StageTimes()
     config = source_config(folder)
     check_streamable(job.options)
-    files, shell, tokenizer = SourceFiles(folder), source_shell(config), load_tokenizer(str(folder))
+    source, tokenizer = ShardedLayers(folder, config, job.placement), load_tokenizer(str(folder))
     check_tokenizer(tokenizer, config, folder)
     blocks = calibration_blocks(job, tokenizer)  # refuses a job without text by name
     documents, eval_source, extra = held_out_documents(job, tokenizer, config.max_position_embeddings)
     text = StreamedText(blocks, documents, extra)
     work = StreamWork(start_work(dataclasses.replace(job, stream=True)))  # a killed run resumes from here
     with atomic_folder(job.out, job.overwrite, (str(folder),)) as staging:
-        plan, candidates, written = convert_layers(shell, files, job, work, text, times)
-        options, budget = plan.options, plan.budget
-        for name in sorted(set(written.weight_map.values())):
-            link_or_copy(work.shards / name, staging / name)  # kept in `work` until the output is saved
-        with times.stage("embeddings and head"):
-            outer = files.read("", outside_layers=True)
-            written.total += write_shard(
-                staging, "model-outer.safetensors", outer, job.placement.torch_dtype, written.weight_map
-            )
-        stage = "layer-wise" if written.rows else "zero-shot"
-        with times.stage("scoring") if written.documents is not None else nullcontext():
-            scores = streamed_scores(shell, outer, written, job.placement, stage)
-        student_config = layer_config(shell, options, budget, written.frequencies)
+        plan, candidates, written = convert_layers(source, job, work, text, times)
+        report = streamed_report(job, plan, candidates, written)
+        outer = write_outside_layers(source, staging, work, written, times)
+        if written.documents is not None:
+            report.saved_stage = "layer-wise" if written.rows else "zero-shot"
+            report.text = {"eval_text": eval_source, "eval_documents": len(documents),
+                           "scoring_autocast": "bf16" if written.documents.bf16 else None}  # fmt: skip
+            with times.stage("scoring"):
+                norm_and_head = source.norm_and_head(outer)
+                report.scores = score_streams(written.documents, written.extra, norm_and_head, report.saved_stage)
+        student_config = layer_config(source.model, plan.options, plan.budget, written.frequencies)
         save_config(student_config, staging, written.weight_map, written.total, job.placement.dtype)
         tokenizer.save_pretrained(staging)
-        report = {
-            "source": public_name(job.source),
-            "options": dataclasses.asdict(options),
-            "budget": dataclasses.asdict(budget),
-            "candidates": candidates,
-            "streamed": True,
-            "reconstruction": {**dataclasses.asdict(job.reconstruction), "layers": written.rows},
-            **({"eval_text": eval_source, "eval_documents": len(documents), "saved_stage": stage} if scores else {}),
-            "scoring_autocast": "bf16" if written.documents is not None and written.documents.bf16 else None,
-            **scores,
-            "seconds": round(time.time() - started, 1),
-            "stage_seconds": times.seconds,
-            "placement": {"device": str(job.placement.torch_device()), "dtype": job.placement.dtype},
-        }
-        metadata = source_metadata(job.source, job.base_model, job.license)
-        report["card"] = {**dataclasses.asdict(metadata), "model_name": Path(job.out).name,
-                          "eval_dataset": held_out_dataset(job.text)}  # fmt: skip
+        report.seconds, report.stage_seconds = round(time.time() - started, 1), times.seconds
         write_model_card(staging, report)
     shutil.rmtree(work.folder, ignore_errors=True)  # saved: nothing left to resume
     print_report(report)
     form = f"{len(written.rows)} layers fitted" if written.rows else "closed form"
-    print(f"\nstreamed {config.num_hidden_layers} layers into {job.out} ({report['seconds']} s, {form})")
+    print(f"\nstreamed {config.num_hidden_layers} layers into {job.out} ({report.seconds} s, {form})")
     return report
 
 
-def streamed_scores(shell, outer: dict, written: LayersWritten, placement, stage: str) -> dict:
-    """The held-out documents' scores from their streams past the last layer (none where they were not scored)."""
-    if written.documents is None:
-        return {}
-    norm, head = final_norm_and_head(shell, outer, placement.torch_device(), placement.torch_dtype)
-    scores = document_scores(written.documents, norm, head, stage)
-    scores["extra_perplexity"] = {"source": {}, stage: {}}
-    for text_name, streams in written.extra.items():
-        for model, value in document_scores(streams, norm, head, stage)["perplexity"].items():
-            scores["extra_perplexity"][model][text_name] = value
-    return scores
+def streamed_report(job, plan: ConversionPlan, candidates: list, written: "LayersWritten") -> ConversionReport:
+    """The report's settings and the layer-wise fit's rows; the scores follow."""
+    return ConversionReport(
+        source=public_name(job.source),
+        options=dataclasses.asdict(plan.options),
+        budget=dataclasses.asdict(plan.budget),
+        reconstruction={**dataclasses.asdict(job.reconstruction), "layers": written.rows},
+        placement={"device": str(job.placement.torch_device()), "dtype": job.placement.dtype},
+        candidates=candidates,
+        card=job_card(job),
+        streamed=True,
+    )
 
 
-def convert_layers(shell, files: SourceFiles, job, work: StreamWork, text: StreamedText, times: StageTimes) -> tuple:
+def write_outside_layers(source: ShardedLayers, staging: Path, work: StreamWork, written, times: StageTimes) -> dict:
+    """Every layer's shard linked into the output, and the tensors outside the layers written beside them (returned:
+    the final norm and head score the streams)."""
+    for name in sorted(set(written.weight_map.values())):
+        link_or_copy(work.shards / name, staging / name)  # kept in `work` until the output is saved
+    with times.stage("embeddings and head"):
+        outer = source.outer()
+        dtype = source.placement.torch_dtype
+        written.total += write_shard(staging, "model-outer.safetensors", outer, dtype, written.weight_map)
+    return outer
+
+
+def convert_layers(source: ShardedLayers, job, work: StreamWork, text: StreamedText, times: StageTimes) -> tuple:
     """The split search's pass where the split is left to it (unless a killed run finished it), then the
     conversion's: (the plan's shape: the chosen options and their budget; the search's rows; the `LayersWritten`)."""
     work.statistics.mkdir(parents=True, exist_ok=True)
@@ -311,12 +303,12 @@ def convert_layers(shell, files: SourceFiles, job, work: StreamWork, text: Strea
     searched = work.saved_search()
     if searched is None:
         with times.stage("split search") if job.options.rope_split == "auto" else nullcontext():
-            searched = streamed_split_search(shell, files, job, text.blocks, work.statistics)
+            searched = choose_split(source, job.options, text.blocks, work.save_statistics)
         work.save_search(*searched)
     options, candidates = searched
-    plan = ConversionPlan(options, resolve_budget(shell.config, options), [], [], [])  # splits come layer by layer
+    plan = ConversionPlan(options, resolve_budget(source.config, options), [], [], [])  # splits come layer by layer
     with times.stage("layers"):
-        written = layer_by_layer(shell, files, job, plan, work, text, work.statistics if candidates else None)
+        written = layer_by_layer(source, job, plan, work, text, searched=bool(candidates))
     return plan, candidates, written
 
 

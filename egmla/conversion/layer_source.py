@@ -1,6 +1,8 @@
-"""One decoder layer at a time, for the streamed conversion and its split search: a source layer read from the
-checkpoint's safetensors files (`safe_open`) and run over hidden states kept on the host, and a student layer built
-from its converted tensors."""
+"""One decoder layer at a time. A `LayerSource` hands the conversion's passes (the split search, the streamed
+conversion) the source's layers in order, with what runs around them (embeddings, rotary, final norm and head): a
+model in memory (`ModelLayers`) or a checkpoint's safetensors files read a layer at a time with `safe_open`
+(`ShardedLayers`). Each layer runs over hidden states kept on the host (`run_layer`); a student layer is built from
+its converted tensors (`student_layer`)."""
 
 import json
 from pathlib import Path
@@ -50,6 +52,60 @@ class SourceFiles:
         return tensors
 
 
+class ModelLayers:
+    """A source model in memory: its own layers, where they are."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.config = model, model.config
+
+    def embeddings(self) -> torch.Tensor:
+        """The token embeddings [V, D] on the host, in the model's dtype (the streams start there)."""
+        return self.model.model.embed_tokens.weight.detach().cpu()
+
+    def layer(self, layer_idx: int) -> torch.nn.Module:
+        return self.model.model.layers[layer_idx]
+
+    def rotary(self, layer: torch.nn.Module) -> torch.nn.Module:
+        return self.model.model.rotary_emb
+
+    def norm_and_head(self) -> tuple[torch.nn.Module, torch.Tensor]:
+        return self.model.model.norm, self.model.lm_head.weight
+
+
+class ShardedLayers:
+    """A checkpoint folder's safetensors files, a layer at a time, on the placement's device and dtype: memory holds
+    one source layer, never the whole model."""
+
+    def __init__(self, folder: Path, config, placement):
+        self.files, self.model, self.config, self.placement = (
+            SourceFiles(folder),
+            weightless_source(config),
+            config,
+            placement,
+        )
+
+    def embeddings(self) -> torch.Tensor:
+        return self.files.read("model.embed_tokens.")["weight"].to(self.placement.torch_dtype)
+
+    def layer(self, layer_idx: int) -> torch.nn.Module:
+        return source_layer(self.model, self.files, layer_idx, self.placement)
+
+    def rotary(self, layer: torch.nn.Module) -> torch.nn.Module:
+        """The source's rotary embedding, where `layer` runs."""
+        return self.model.model.rotary_emb.to(layer.input_layernorm.weight.device)
+
+    def outer(self) -> dict[str, torch.Tensor]:
+        """The tensors outside the layers: the embeddings, the final norm, the head."""
+        return self.files.read("", outside_layers=True)
+
+    def norm_and_head(self, outer: dict | None = None) -> tuple[torch.nn.Module, torch.Tensor]:
+        device, dtype = self.placement.torch_device(), self.placement.torch_dtype
+        return final_norm_and_head(self.model, outer if outer is not None else self.outer(), device, dtype)
+
+
+LayerSource = ModelLayers | ShardedLayers
+
+
 def causal_mask(length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[1, 1, S, S] additive: what every attention implementation of a source layer reads alike."""
     blocked = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
@@ -79,26 +135,28 @@ def run_layer(layer: torch.nn.Module, hidden: torch.Tensor, rotary: torch.nn.Mod
     return (recorder.statistics() if record else None), outputs
 
 
-def source_layer(shell: torch.nn.Module, files: SourceFiles, layer_idx: int, placement) -> torch.nn.Module:
+def source_layer(source: torch.nn.Module, files: SourceFiles, layer_idx: int, placement) -> torch.nn.Module:
     """Decoder layer `layer_idx` of the source, read from its files onto the placement's device and dtype."""
-    config = shell.config
+    config = source.config
     with torch.device("meta"):
         layer = SOURCE_LAYERS[config.model_type](config, layer_idx)
     layer.load_state_dict(files.read(f"model.layers.{layer_idx}."), assign=True, strict=True)
     return layer.to(device=placement.torch_device(), dtype=placement.torch_dtype).eval()
 
 
-def source_shell(config) -> torch.nn.Module:
+def weightless_source(config) -> torch.nn.Module:
     """The source model without weights (meta), its rotary embedding real: what the config-level functions read."""
     with torch.device("meta"):
-        shell = SOURCE_CLASSES[config.model_type](config)
-    shell.model.rotary_emb = type(shell.model.rotary_emb)(config=config)
-    return shell
+        source = SOURCE_CLASSES[config.model_type](config)
+    source.model.rotary_emb = type(source.model.rotary_emb)(config=config)
+    return source
 
 
-def student_layer_state(shell, layer, layer_idx: int, converted: tuple, plan) -> dict[str, torch.Tensor]:
+def student_layer_state(source, layer, layer_idx: int, converted: tuple, plan) -> dict[str, torch.Tensor]:
     """The student's tensors of one layer: the converted attention and the source's MLP and norms as they are."""
-    state = layer_attention_state(layer_idx, layer.self_attn, plan, converted, shell.model.rotary_emb.attention_scaling)
+    state = layer_attention_state(
+        layer_idx, layer.self_attn, plan, converted, source.model.rotary_emb.attention_scaling
+    )
     prefix = f"model.layers.{layer_idx}."
     for name, tensor in layer.state_dict().items():
         if not name.startswith("self_attn."):
@@ -106,12 +164,12 @@ def student_layer_state(shell, layer, layer_idx: int, converted: tuple, plan) ->
     return state
 
 
-def layer_config(shell, options: ConversionOptions, budget: Budget, frequencies: list) -> EGMLAConfig:
+def layer_config(source, options: ConversionOptions, budget: Budget, frequencies: list) -> EGMLAConfig:
     """The student's config from each converted layer's rope frequencies; layers not converted yet take the last
     one's (no layer is built from them before it is converted)."""
-    layers = frequencies + frequencies[-1:] * (shell.config.num_hidden_layers - len(frequencies))
+    layers = frequencies + frequencies[-1:] * (source.config.num_hidden_layers - len(frequencies))
     splits = [RopeSplit(layer, *(torch.empty(0),) * 4) for layer in layers]  # student_config reads these only
-    return student_config(shell, ConversionPlan(options, budget, splits, [], [budget.kv_lora_rank] * len(splits)))
+    return student_config(source, ConversionPlan(options, budget, splits, [], [budget.kv_lora_rank] * len(splits)))
 
 
 def student_layer(state: dict, layer_idx: int, config, like: torch.Tensor) -> tuple:
@@ -119,13 +177,13 @@ def student_layer(state: dict, layer_idx: int, config, like: torch.Tensor) -> tu
     student's rotary embedding there."""
     prefix = f"model.layers.{layer_idx}."
     with torch.device("meta"):
-        shell = EGMLAForCausalLM(config)  # its layers get the attention implementation a loaded model has
-    layer = shell.model.layers[layer_idx]
+        skeleton = EGMLAForCausalLM(config)  # its layers get the attention implementation a loaded model has
+    layer = skeleton.model.layers[layer_idx]
     # Copies: the state holds source tensors as they are (o_proj, the MLP), which fitting the student must not move.
     state = {name.removeprefix(prefix): tensor.detach().clone() for name, tensor in state.items()}
     layer.load_state_dict(state, assign=True)
     layer = layer.to(device=like.device, dtype=like.dtype).eval().requires_grad_(False)
-    return layer, type(shell.model.rotary_emb)(config=config).to(like.device)
+    return layer, type(skeleton.model.rotary_emb)(config=config).to(like.device)
 
 
 @torch.no_grad()
@@ -136,9 +194,9 @@ def student_layer_output(layer: torch.nn.Module, hidden: torch.Tensor, rotary: t
     return layer(states, position_embeddings=rotary(states, positions)).cpu()
 
 
-def final_norm_and_head(shell, outer: dict, device, dtype) -> tuple[torch.nn.Module, torch.Tensor]:
+def final_norm_and_head(source, outer: dict, device, dtype) -> tuple[torch.nn.Module, torch.Tensor]:
     """The source's final norm and head (the embeddings where they are tied) from its tensors outside the layers."""
-    norm = type(shell.model.norm)(shell.config.hidden_size, eps=shell.config.rms_norm_eps)
+    norm = type(source.model.norm)(source.config.hidden_size, eps=source.config.rms_norm_eps)
     norm.weight.data = outer["model.norm.weight"]
     head = outer.get("lm_head.weight", outer["model.embed_tokens.weight"])
     return norm.to(device=device, dtype=dtype), head.to(device=device, dtype=dtype)
