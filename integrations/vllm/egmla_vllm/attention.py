@@ -167,6 +167,11 @@ class EGMLALatentKernelBackend(EGMLACPUMLABackend):
         return EGMLALatentKernelMetadataBuilder
 
 
+def up_weights(weight: torch.Tensor, heads: int, key_dim: int, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W^{UK} [H, dk, r] and W^{UV} [H, dv, r], views of W^{UKV} [H * (dk + dv), r] (egmla's `kv_b_proj`)."""
+    return weight.view(heads, key_dim + value_dim, -1).split([key_dim, value_dim], dim=1)
+
+
 class AbsorbedAttention(MLAAttention):
     """vLLM's MLA layer (its cache spec and cache writes) on the CPU, attending as DeepSeek's MLA does. Prompts
     without cached context attend expanded, per head: keys [latent W^{UK} ; rope key] and values latent W^{UV} of
@@ -178,9 +183,9 @@ class AbsorbedAttention(MLAAttention):
     vLLM's CPU attention (`staged_causal_attention`). Returns the attended values [T, H * dv].
     """
 
-    def __init__(self, rope_width: int, kernels: bool, **kwargs):
+    def __init__(self, rope_key_width: int, kernels: bool, **kwargs):
         super().__init__(**kwargs)
-        self.rope_width, self.kernels = rope_width, kernels
+        self.rope_key_width, self.kernels = rope_key_width, kernels
         # The value columns the absorbed attention writes: the latent's, rounded up where vLLM's kernels run.
         self.value_width = latent_value_width(self.kv_lora_rank) if kernels else self.kv_lora_rank
 
@@ -188,9 +193,7 @@ class AbsorbedAttention(MLAAttention):
         """W^{UK} [H, dn, r] and W^{UV} [H, value_width, dv] (zero rows past the latent) for the absorbed products,
         from W^{UKV} [H * (dn + dv), r]."""
         weight = self.kv_b_proj.weight.detach().to(act_dtype)
-        up_keys, up_values = weight.view(self.num_heads, -1, weight.shape[-1]).split(
-            [self.qk_nope_head_dim, self.v_head_dim], dim=1
-        )
+        up_keys, up_values = up_weights(weight, self.num_heads, self.qk_nope_head_dim, self.v_head_dim)
         self.up_keys = up_keys.contiguous()
         padding = (0, 0, 0, self.value_width - weight.shape[-1])
         self.up_values = torch.nn.functional.pad(up_values.transpose(1, 2), padding).contiguous()
@@ -229,8 +232,8 @@ class AbsorbedAttention(MLAAttention):
         key_nope, value = (
             self.kv_b_proj(new_rows[:, :latent])[0].view(tokens, self.num_heads, -1).split([nope, self.v_head_dim], -1)
         )
-        rope_key = new_rows[:, None, latent : latent + self.rope_width].expand(-1, self.num_heads, -1)
-        key, query = torch.cat([key_nope, rope_key], dim=-1), query[..., : nope + self.rope_width]
+        rope_key = new_rows[:, None, latent : latent + self.rope_key_width].expand(-1, self.num_heads, -1)
+        key, query = torch.cat([key_nope, rope_key], dim=-1), query[..., : nope + self.rope_key_width]
         if self.kernels:  # widths in multiples of the kernels' alignment
             key_width, value_width = latent_value_width(key.shape[-1]), latent_value_width(self.v_head_dim)
         else:  # vLLM's CPU attention (and SDPA's fused CPU kernel) takes keys and values of one width

@@ -31,6 +31,7 @@ from .attention import (
     latent_backend,
     latent_kernels,
     tail_padding,
+    up_weights,
 )
 from .config import EGMLAConfig
 
@@ -103,8 +104,8 @@ class EGMLAAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         # The heads W^{UKV} rebuilds keys (and values) for; vLLM's absorbed MLA takes it per query head (the loader
         # repeats a key head's rows for its group).
-        self.key_heads = config.num_key_value_heads if not config.absorbs else config.num_attention_heads
-        self.nope_dim, self.rope_dim, self.value_dim = (
+        self.num_key_value_heads = config.num_key_value_heads if not config.absorbs else config.num_attention_heads
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = (
             config.qk_nope_head_dim,
             config.qk_rope_head_dim,
             config.v_head_dim,
@@ -114,8 +115,8 @@ class EGMLAAttention(nn.Module):
         self.latent_width = config.latent_width
         self.q_lora_rank = config.q_lora_rank
         self.caches_token_ids, self.id_digits = config.caches_token_ids, config.id_digits
-        self.absorbs, self.exact_rope = config.absorbs, config.caches_positions
-        self.rebuilt_key_dim, self.rope_width, self.tail_width = (
+        self.absorbs, self.rope_mode = config.absorbs, config.rope_mode
+        self.rebuilt_key_dim, self.rope_key_width, self.tail_width = (
             config.rebuilt_key_dim,
             config.rope_key_width,
             config.cache_tail_width,
@@ -126,9 +127,13 @@ class EGMLAAttention(nn.Module):
         # On the CPU, `AbsorbedAttention` (prompts expanded per head, decodes absorbed into the query); on a GPU,
         # vLLM's MLA layer. Either takes the checkpoint's projections as they are.
         self.absorbed = self.absorbs and current_platform.is_cpu()
-        self.latent_proj_width = self.kv_lora_rank + self.rope_width
+        self.latent_proj_width = self.kv_lora_rank + self.rope_key_width
         # The query's (or its low-rank down) projection and the latent's are one product of the hidden states.
-        query_width = self.num_heads * (self.nope_dim + self.rope_dim) if self.q_lora_rank is None else self.q_lora_rank
+        query_width = (
+            self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+            if self.q_lora_rank is None
+            else self.q_lora_rank
+        )
         self.fused_qkv_a_proj = MergedColumnParallelLinear(
             config.hidden_size, [query_width, self.latent_proj_width], bias=config.attention_bias,
             prefix=f"{prefix}.fused_qkv_a_proj",
@@ -136,21 +141,21 @@ class EGMLAAttention(nn.Module):
         if self.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
             self.q_b_proj = ReplicatedLinear(
-                self.q_lora_rank, self.num_heads * (self.nope_dim + self.rope_dim), bias=False,
+                self.q_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim), bias=False,
                 prefix=f"{prefix}.q_b_proj",
             )  # fmt: skip
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_latent_norm else None
-        kv_width = self.rebuilt_key_dim + self.value_dim
+        kv_width = self.rebuilt_key_dim + self.v_head_dim
         # Built at the padded width: the loader pads the checkpoint's [H*(dn+dv), r] with zero columns.
         self.kv_b_proj = ReplicatedLinear(
-            self.latent_width, self.key_heads * kv_width, bias=False, prefix=f"{prefix}.kv_b_proj"
+            self.latent_width, self.num_key_value_heads * kv_width, bias=False, prefix=f"{prefix}.kv_b_proj"
         )
         self.o_proj = ReplicatedLinear(
-            self.num_heads * self.value_dim, config.hidden_size, bias=config.attention_bias, prefix=f"{prefix}.o_proj"
+            self.num_heads * self.v_head_dim, config.hidden_size, bias=config.attention_bias, prefix=f"{prefix}.o_proj"
         )
         self.gate_embedding_proj = self.gate_norm = None
         if config.gate_enabled:  # W^{UE} onto the latent, or onto every head's keys and values
-            gated_width = self.key_heads * kv_width if self.caches_token_ids else self.kv_lora_rank
+            gated_width = self.num_key_value_heads * kv_width if self.caches_token_ids else self.kv_lora_rank
             self.gate_embedding_proj = ReplicatedLinear(
                 config.gate_embedding_dim, gated_width, bias=False, prefix=f"{prefix}.gate_embedding_proj"
             )
@@ -166,8 +171,8 @@ class EGMLAAttention(nn.Module):
         self, config: EGMLAConfig, cache_config: CacheConfig | None, prefix: str, dtype: torch.dtype
     ) -> MLAAttention:
         layer = dict(
-            num_heads=self.num_heads, scale=attention_scaling(config), qk_nope_head_dim=self.nope_dim,
-            qk_rope_head_dim=self.tail_width + self.tail_padding, v_head_dim=self.value_dim,
+            num_heads=self.num_heads, scale=attention_scaling(config), qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.tail_width + self.tail_padding, v_head_dim=self.v_head_dim,
             q_lora_rank=self.q_lora_rank, kv_lora_rank=self.latent_width, kv_b_proj=self.kv_b_proj,
             cache_config=cache_config, prefix=f"{prefix}.attn",
             attn_backend=latent_backend(self.latent_width, self.tail_width, dtype, rebuilds=not self.absorbs),
@@ -176,7 +181,7 @@ class EGMLAAttention(nn.Module):
             up_values = None if self.caches_token_ids else self.up_values
             return RebuildingAttention(self.rebuild, up_values, **layer)
         if self.absorbed:
-            return AbsorbedAttention(self.rope_width, latent_kernels(dtype), **layer)
+            return AbsorbedAttention(self.rope_key_width, latent_kernels(dtype), **layer)
         return MLAAttention(**layer)
 
     def latent(self, kv_latent: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -202,39 +207,42 @@ class EGMLAAttention(nn.Module):
         latent, tail = rows.split([self.latent_width, self.tail_width], dim=-1)
         if self.caches_token_ids:  # the gate on K/V: keys and values rebuilt together
             kv = self.kv_b_proj(latent.reshape(requests * length, -1))[0]
-            digits = tail[..., self.rope_width : self.rope_width + self.id_digits].round().long()
+            digits = tail[..., self.rope_key_width : self.rope_key_width + self.id_digits].round().long()
             ids = (digits * 256 ** torch.arange(self.id_digits, device=rows.device)).sum(-1)  # padding rows: 0
             kv = kv * (1 + self.gate_embedding_proj(self.gate_table(ids.flatten()))[0])
             if self.gate_norm is not None:
-                kv = self.gate_norm(kv.view(requests * length * self.key_heads, -1))
-            key, value = kv.view(requests, length, self.key_heads, -1).split(
-                [self.rebuilt_key_dim, self.value_dim], dim=-1
+                kv = self.gate_norm(kv.view(requests * length * self.num_key_value_heads, -1))
+            key, value = kv.view(requests, length, self.num_key_value_heads, -1).split(
+                [self.rebuilt_key_dim, self.v_head_dim], dim=-1
             )
         else:  # only the keys: W^{UK} rows of W^{UKV}
             key = torch.einsum("rtl,hkl->rthk", latent, self.up_weights()[0].to(latent.dtype))
             value = latent[:, :, None]
-        if self.exact_rope:  # a request's cached positions are 0 .. T-1, in its slots' order
+        if self.rope_mode == "exact":  # a request's cached positions are 0 .. T-1, in its slots' order
             cos, sin = (
                 part[:, self.rope_dims[0]][None, :, None]
                 for part in self.rotary(torch.arange(length, device=rows.device))
             )
-            key_rope = rotate(key[..., self.nope_dim :], cos.to(key.dtype), sin.to(key.dtype))
-            return torch.cat([key[..., : self.nope_dim], key_rope], dim=-1), value
-        rope_key = tail[..., : self.rope_width].reshape(requests, length, self.rope_key_heads, 1, self.rope_dim)
-        group = self.key_heads // self.rope_key_heads
-        rope_key = rope_key.expand(-1, -1, -1, group, -1).reshape(requests, length, self.key_heads, self.rope_dim)
+            key_rope = rotate(key[..., self.qk_nope_head_dim :], cos.to(key.dtype), sin.to(key.dtype))
+            return torch.cat([key[..., : self.qk_nope_head_dim], key_rope], dim=-1), value
+        rope_key = tail[..., : self.rope_key_width].reshape(
+            requests, length, self.rope_key_heads, 1, self.qk_rope_head_dim
+        )
+        group = self.num_key_value_heads // self.rope_key_heads
+        rope_key = rope_key.expand(-1, -1, -1, group, -1).reshape(
+            requests, length, self.num_key_value_heads, self.qk_rope_head_dim
+        )
         return torch.cat([key, rope_key.to(key.dtype)], dim=-1), value
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W^{UK} [Hkv, dk, r] and W^{UV} [Hkv, dv, r], views of W^{UKV} (at the cache's padded latent width)."""
-        weight = self.kv_b_proj.weight.view(self.key_heads, self.rebuilt_key_dim + self.value_dim, -1)
-        return weight.split([self.rebuilt_key_dim, self.value_dim], dim=1)
+        return up_weights(self.kv_b_proj.weight, self.num_key_value_heads, self.rebuilt_key_dim, self.v_head_dim)
 
     def up_values(self, attended: torch.Tensor) -> torch.Tensor:
         """The weighted sums of latents [N, H, r] -> of values [N, H, dv], by each query head's key head's W^{UV}
         (exact: W^{UV} is linear)."""
         tokens = attended.shape[0]
-        attended = attended.view(tokens, self.key_heads, self.num_heads // self.key_heads, -1)
+        attended = attended.view(tokens, self.num_key_value_heads, self.num_heads // self.num_key_value_heads, -1)
         values = torch.einsum("ngjr,gvr->ngjv", attended, self.up_weights()[1].to(attended.dtype))
         return values.reshape(tokens, self.num_heads, -1)
 
@@ -253,17 +261,22 @@ class EGMLAAttention(nn.Module):
     ) -> torch.Tensor:
         """rotary: this layer's cos, sin [T, Hr, 1, dr] (`EGMLAModel.layer_rotary`)."""
         tokens = hidden_states.shape[0]
-        heads, rope_heads, rope_dim, nope = self.num_heads, self.rope_key_heads, self.rope_dim, self.nope_dim
+        heads, rope_heads, rope_dim, nope = (
+            self.num_heads,
+            self.rope_key_heads,
+            self.qk_rope_head_dim,
+            self.qk_nope_head_dim,
+        )
         query, latent = self.fused_qkv_a_proj(hidden_states)[0].split(
             [self.fused_qkv_a_proj.output_sizes[0], self.latent_proj_width], dim=-1
         )
         if self.q_lora_rank is not None:
             query = self.q_b_proj(self.q_a_layernorm(query.contiguous()))[0]
         query = query.view(tokens, heads, nope + rope_dim)
-        kv_latent, rope_key = latent.split([self.kv_lora_rank, self.rope_width], dim=-1)
+        kv_latent, rope_key = latent.split([self.kv_lora_rank, self.rope_key_width], dim=-1)
         cos, sin = rotary
         query_rope = rotate(query[..., nope:].reshape(tokens, rope_heads, -1, rope_dim), cos, sin)
-        if not self.exact_rope:
+        if self.rope_mode != "exact":
             rope_key = rotate(rope_key.view(tokens, rope_heads, 1, rope_dim), cos, sin)
         rope_key = rope_key.reshape(tokens, 1, -1)
         if not self.absorbs:  # the queries keep their own rope dims; the cache row ends with the tail
@@ -275,11 +288,11 @@ class EGMLAAttention(nn.Module):
         else:
             query_rope = query_rope.reshape(tokens, heads, rope_dim)
         if self.absorbs and self.tail_padding:
-            padding = (0, self.tail_width + self.tail_padding - self.rope_width)
+            padding = (0, self.tail_width + self.tail_padding - self.rope_key_width)
             query_rope, rope_key = nn.functional.pad(query_rope, padding), nn.functional.pad(rope_key, padding)
         query = torch.cat([query[..., :nope], query_rope], dim=-1)
         output = self.attn(
-            query, self.latent(kv_latent, input_ids), rope_key, output_shape=(tokens, heads * self.value_dim)
+            query, self.latent(kv_latent, input_ids), rope_key, output_shape=(tokens, heads * self.v_head_dim)
         )
         return self.o_proj(output)[0]
 

@@ -66,7 +66,7 @@ def check(kernels, dtype, cached, query_lens, decodes):
     """Requests with `cached` tokens in the cache and `query_lens` new ones each (the first `decodes`: one)."""
     tail = ROPE + (-(LATENT + ROPE) % 32 if kernels else 0)  # the rope key, then zero columns
     layer = Layer(
-        num_heads=HEADS, qk_nope_head_dim=NOPE, v_head_dim=VALUE, kv_lora_rank=LATENT, rope_width=ROPE,
+        num_heads=HEADS, qk_nope_head_dim=NOPE, v_head_dim=VALUE, kv_lora_rank=LATENT, rope_key_width=ROPE,
         kernels=kernels, value_width=32 if kernels else LATENT, scale=SCALE, kv_b_proj=Projection(),
     )  # fmt: skip
     layer.process_weights_after_loading(dtype)

@@ -5,6 +5,7 @@ without vLLM: the plugin's config module imports only transformers and huggingfa
 import ast
 import dataclasses
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,66 @@ def test_every_vllm_layer_is_built_with_its_prefix():
         if not names & {"prefix", None}
     ]
     assert not missing, missing
+
+
+def plugin_functions(*names: str) -> dict:
+    """The plugin's copies of egmla's helpers, taken from its model file (which imports vLLM) and run here."""
+    tree = ast.parse((PLUGIN / "model.py").read_text())
+    found = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    namespace = {"math": math, "EGMLAConfig": EGMLAConfig}
+    exec(compile(ast.Module(body=found, type_ignores=[]), str(PLUGIN / "model.py"), "exec"), namespace)
+    return {name: namespace[name] for name in names}
+
+
+# The rotary pairs of each rope key head given by the conversion, and a YaRN rope with DeepSeek's mscale.
+RULE_CASES = {
+    **{mode: overrides for mode, overrides in MODES.items()},
+    "chosen pairs": {"rope_key_heads": 2, "rope_frequency_dim": 16,
+                     "rope_frequency_indices": [[[0, 2, 5, 7], [1, 3, 4, 6]], [[7, 1, 0, 2], [6, 5, 4, 3]]]},
+    "yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale_all_dim": 1.0,
+                                 "original_max_position_embeddings": 64}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(RULE_CASES))
+def test_the_plugins_copied_helpers_compute_as_egmlas(case):
+    """`attention_scaling` and `rotary_dims` are copied into the plugin (it cannot import egmla's model file):
+    the copies give egmla's values (egmla's None, or one list for every rope key head, spelt out)."""
+    from egmla.modeling_egmla import attention_scaling, rotary_dims
+
+    config = tiny_config(**RULE_CASES[case])
+    copies = plugin_functions("attention_scaling", "rotary_dims")
+    assert copies["attention_scaling"](config) == pytest.approx(attention_scaling(config), rel=1e-12)
+    for layer_idx in range(config.num_hidden_layers):
+        ours = rotary_dims(config, layer_idx) or [list(range(config.head_dim))]
+        ours = ours * config.rope_key_heads if len(ours) == 1 else ours
+        assert copies["rotary_dims"](config, layer_idx) == ours
+
+
+# What the plugin's attention holds under egmla's `EGMLAAttention` names, and the spellings it must not use.
+EGMLA_ATTRIBUTES = ("num_heads", "num_key_value_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "rope_key_heads", "kv_lora_rank", "q_lora_rank", "rebuilt_key_dim", "rope_key_width", "absorbs",
+                    "rope_mode", "kv_b_proj", "o_proj", "kv_a_layernorm", "gate_embedding_proj", "gate_norm")  # fmt: skip
+OTHER_SPELLINGS = ("nope_dim", "rope_dim", "value_dim", "rope_width", "exact_rope", "key_heads")
+
+
+def attention_attributes(path: Path, class_name: str) -> set[str]:
+    """The `self.NAME` attributes a class of `path` sets."""
+    tree = ast.parse(path.read_text())
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name)
+    return {
+        node.attr
+        for node in ast.walk(cls)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and getattr(node.value, "id", "") == "self"
+    }
+
+
+def test_the_plugins_attention_keeps_egmlas_attribute_names():
+    import egmla.modeling_egmla as modeling
+
+    ours = attention_attributes(Path(modeling.__file__), "EGMLAAttention")
+    theirs = attention_attributes(PLUGIN / "model.py", "EGMLAAttention")
+    assert set(EGMLA_ATTRIBUTES) <= ours  # the names are egmla's
+    assert set(EGMLA_ATTRIBUTES) <= theirs, sorted(set(EGMLA_ATTRIBUTES) - theirs)
+    assert not theirs & set(OTHER_SPELLINGS), sorted(theirs & set(OTHER_SPELLINGS))
+    assert not attention_attributes(PLUGIN / "attention.py", "AbsorbedAttention") & set(OTHER_SPELLINGS)
