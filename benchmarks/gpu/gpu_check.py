@@ -125,7 +125,7 @@ def converted_config(source: LlamaConfig, **gate) -> EGMLAConfig:
     options = ConversionOptions(kv_cut=KV_CUT, rope_split="shared", **{"gate_embedding_dim": 0, **gate})
     with torch.device("meta"):  # the source's modules only for their rope and bias settings: no weights
         teacher = LlamaForCausalLM(source)
-    return student_config(teacher, ConversionPlan(options, resolve_budget(source, options), [], [], []))
+    return student_config(teacher, ConversionPlan(options, resolve_budget(source, options)))
 
 
 def error_shapes(tiny: bool) -> dict[str, Callable[[dict], EGMLAConfig]]:

@@ -164,16 +164,33 @@ def resolve_budget(source_config, options: ConversionOptions) -> Budget:
 
 
 @dataclass(frozen=True)
+class LayerPlan:
+    """One layer's conversion: the frequency each rope pair turns at, the latent's width, and until the layer's
+    weights are built its rope split and truncated factors (down [r, D], up [Hkv * (dk + hd), r])."""
+
+    frequencies: list[list[int]]
+    rank: int
+    split: RopeSplit | None = None
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def built(self) -> "LayerPlan":
+        """What the student's config still reads once the layer's weights are built (its tensors let go)."""
+        return LayerPlan(self.frequencies, self.rank)
+
+
+def layer_plan(split: RopeSplit, factorization: Factorization, rank: int) -> LayerPlan:
+    return LayerPlan(split.frequencies, rank, split, factorization.truncate(rank))
+
+
+@dataclass(frozen=True)
 class ConversionPlan:
     """What a conversion builds, computed once per source and passed on: the options with the rope split chosen,
-    the budget they give on this source, per layer the rope split and the truncated factors (down [r, D], up
-    [Hkv * (dk + hd), r]), and the split search's table where one ran."""
+    the budget they give on this source, a plan per layer (a conversion that goes layer by layer adds each as it
+    goes; none: a shape alone, its rope keys on the first pairs), and the split search's table where one ran."""
 
     options: ConversionOptions
     budget: Budget
-    splits: list[RopeSplit]
-    factors: list[tuple[torch.Tensor, torch.Tensor]]
-    ranks: list[int]
+    layers: list[LayerPlan] = field(default_factory=list)
     candidates: list[dict] = field(default_factory=list)
 
 
@@ -256,10 +273,8 @@ def student_config(source: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConfi
     """The EG-MLA config of the converted model: the source's dims, the budget's cache, the gate at the identity."""
     config, options, budget = source.config, plan.options, plan.budget
     shape = attention_shape(config)
-    # A plan without splits (a budget alone: a shape, as the benchmarks build) turns its rope keys on the first pairs.
-    frequencies = (
-        [split.frequencies for split in plan.splits] if options.rope_split != "exact" and plan.splits else None
-    )
+    # A plan without layers (a budget alone: a shape, as the benchmarks build) turns its rope keys on the first pairs.
+    frequencies = [layer.frequencies for layer in plan.layers] if options.rope_split != "exact" else None
     return EGMLAConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -268,7 +283,9 @@ def student_config(source: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConfi
         num_attention_heads=shape.query_heads,
         num_key_value_heads=student_key_heads(config, options),
         q_lora_rank=None,
-        kv_lora_rank=plan.ranks if options.rank_allocation == "energy" else budget.kv_lora_rank,
+        kv_lora_rank=[layer.rank for layer in plan.layers]
+        if options.rank_allocation == "energy"
+        else budget.kv_lora_rank,
         qk_nope_head_dim=budget.nope_dim,
         qk_rope_head_dim=2 * budget.rope_pairs,
         v_head_dim=shape.head_dim,
@@ -284,7 +301,7 @@ def student_config(source: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConfi
         tie_word_embeddings=config.tie_word_embeddings,
         rope_parameters=llama_rope_parameters(source),
         rope_frequency_dim=shape.head_dim,
-        rope_frequency_indices=frequencies,
+        rope_frequency_indices=frequencies or None,
         attention_dropout=config.attention_dropout,
         attention_bias=has_bias(source.model.layers[0].self_attn),
         bos_token_id=config.bos_token_id,
@@ -298,18 +315,17 @@ def attention_state(source: LlamaForCausalLM, plan: ConversionPlan) -> dict[str,
     """The student's attention weights per layer from the plan's splits and truncated (down, up) factors."""
     scaling = source.model.rotary_emb.attention_scaling
     state = {}
-    layers = zip(source.model.layers, plan.splits, plan.factors, strict=True)
-    for layer_idx, (layer, split, factor) in enumerate(layers):
-        state.update(layer_attention_state(layer_idx, layer.self_attn, plan, (split, factor), scaling))
+    for layer_idx, (layer, planned) in enumerate(zip(source.model.layers, plan.layers, strict=True)):
+        state.update(layer_attention_state(layer_idx, layer.self_attn, plan, planned, scaling))
     return state
 
 
 def layer_attention_state(
-    layer_idx: int, attention: torch.nn.Module, plan: ConversionPlan, converted: tuple, attention_scaling: float
+    layer_idx: int, attention: torch.nn.Module, plan: ConversionPlan, planned: LayerPlan, attention_scaling: float
 ) -> dict[str, torch.Tensor]:
-    """One layer's student attention weights from its rope split and truncated (down, up) factors (`converted`);
-    the plan gives the student's shape (its splits and factors may still be empty: streaming goes layer by layer)."""
-    split, (down, up) = converted
+    """One layer's student attention weights from its plan (rope split, truncated (down, up) factors); `plan` gives
+    the student's shape (its layers may not all be planned yet: streaming goes layer by layer)."""
+    split, (down, up) = planned.split, planned.factors
     source, options, budget = attention.config, plan.options, plan.budget
     shape = attention_shape(source)
     head_dim, key_heads, query_heads = shape.head_dim, shape.key_heads, shape.query_heads
@@ -392,8 +408,9 @@ def plan_layers(
         splits.append(split)
         factorizations.append(factorization)
     ranks = allocate_ranks(factorizations, budget.kv_lora_rank, options.rank_allocation)
-    factors = [factorization.truncate(rank) for factorization, rank in zip(factorizations, ranks, strict=True)]
-    return ConversionPlan(options, budget, splits, factors, ranks)
+    planned = zip(splits, factorizations, ranks, strict=True)
+    layers = [layer_plan(split, factorization, rank) for split, factorization, rank in planned]
+    return ConversionPlan(options, budget, layers)
 
 
 def build_student(source: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAForCausalLM:

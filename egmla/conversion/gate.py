@@ -106,7 +106,9 @@ def fit_gate(
     tokens, index = torch.unique(blocks.flatten(), return_inverse=True)
     counts = torch.bincount(index, minlength=len(tokens))
     pending, rows = [], []
-    layers = zip(source.model.layers, source_layers(source, blocks), plan.splits, strict=True)
+    layers = zip(
+        source.model.layers, source_layers(source, blocks), [layer.split for layer in plan.layers], strict=True
+    )
     for layer_idx, (layer, inputs, split) in enumerate(
         tqdm(layers, desc="fitting the gate", unit="layer", total=config.num_hidden_layers, leave=False)
     ):

@@ -4,6 +4,7 @@ model in memory (`ModelLayers`) or a checkpoint's safetensors files read a layer
 (`ShardedLayers`). Each layer runs over hidden states kept on the host (`run_layer`); a student layer is built from
 its converted tensors (`student_layer`)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,8 +17,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 from ..configuration_egmla import EGMLAConfig
 from ..modeling_egmla import EGMLAForCausalLM
 from .calibration import StatisticsRecorder
-from .convert import Budget, ConversionOptions, ConversionPlan, layer_attention_state, student_config
-from .rope import RopeSplit
+from .convert import ConversionPlan, LayerPlan, layer_attention_state, student_config
 from .source import SOURCE_CLASSES
 
 SOURCE_LAYERS = {"llama": LlamaDecoderLayer, "mistral": MistralDecoderLayer, "qwen2": Qwen2DecoderLayer}
@@ -152,11 +152,9 @@ def weightless_source(config) -> torch.nn.Module:
     return source
 
 
-def student_layer_state(source, layer, layer_idx: int, converted: tuple, plan) -> dict[str, torch.Tensor]:
+def student_layer_state(source, layer, layer_idx: int, planned: LayerPlan, plan) -> dict[str, torch.Tensor]:
     """The student's tensors of one layer: the converted attention and the source's MLP and norms as they are."""
-    state = layer_attention_state(
-        layer_idx, layer.self_attn, plan, converted, source.model.rotary_emb.attention_scaling
-    )
+    state = layer_attention_state(layer_idx, layer.self_attn, plan, planned, source.model.rotary_emb.attention_scaling)
     prefix = f"model.layers.{layer_idx}."
     for name, tensor in layer.state_dict().items():
         if not name.startswith("self_attn."):
@@ -164,12 +162,11 @@ def student_layer_state(source, layer, layer_idx: int, converted: tuple, plan) -
     return state
 
 
-def layer_config(source, options: ConversionOptions, budget: Budget, frequencies: list) -> EGMLAConfig:
-    """The student's config from each converted layer's rope frequencies; layers not converted yet take the last
-    one's (no layer is built from them before it is converted)."""
-    layers = frequencies + frequencies[-1:] * (source.config.num_hidden_layers - len(frequencies))
-    splits = [RopeSplit(layer, *(torch.empty(0),) * 4) for layer in layers]  # student_config reads these only
-    return student_config(source, ConversionPlan(options, budget, splits, [], [budget.kv_lora_rank] * len(splits)))
+def layer_config(source, plan: ConversionPlan) -> EGMLAConfig:
+    """The student's config from the layers planned so far; layers not planned yet take the last one's rope
+    frequencies (no layer is built from them before it is planned)."""
+    missing = source.config.num_hidden_layers - len(plan.layers)
+    return student_config(source, dataclasses.replace(plan, layers=plan.layers + plan.layers[-1:] * missing))
 
 
 def student_layer(state: dict, layer_idx: int, config, like: torch.Tensor) -> tuple:

@@ -14,7 +14,7 @@ import copy
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -22,11 +22,11 @@ from tqdm.auto import tqdm
 from ..text import packed_blocks
 from .calibration import LayerStatistics
 from .convert import (
-    Budget,
     ConversionOptions,
     ConversionPlan,
     cut_values,
     factorize_layer,
+    layer_plan,
     resolve_budget,
     student_key_heads,
 )
@@ -116,23 +116,21 @@ def candidate_row(choice: ConversionOptions, budget, perplexity_value: float, co
 
 @dataclass
 class CandidateStream:
-    """One candidate split, its gate-free form as the search converts it, and its residual stream over the held-out
-    blocks [M, L, D] on the host."""
+    """One candidate split, the plan of its gate-free form as the search converts it (a layer added as each goes
+    by), and its residual stream over the held-out blocks [M, L, D] on the host."""
 
     choice: ConversionOptions
-    options: ConversionOptions
-    budget: Budget
+    plan: ConversionPlan
     hidden: torch.Tensor
-    frequencies: list = field(default_factory=list)  # each converted layer's rope frequencies
 
     def config(self, source_model):
-        return layer_config(source_model, self.options, self.budget, self.frequencies)
+        return layer_config(source_model, self.plan)
 
 
 def candidate_stream(source_config, choice: ConversionOptions, hidden: torch.Tensor) -> CandidateStream:
     """The search converts without the gate (it starts as the identity, and its tables span layers)."""
     options = dataclasses.replace(choice, gate_embedding_dim=0, gate_position="latent")
-    return CandidateStream(choice, options, resolve_budget(source_config, options), hidden)
+    return CandidateStream(choice, ConversionPlan(options, resolve_budget(source_config, options)), hidden)
 
 
 @torch.no_grad()
@@ -140,11 +138,11 @@ def advance(
     candidate: CandidateStream, source_model, layer, layer_idx: int, statistics: LayerStatistics, inv_freq
 ) -> None:
     """The candidate's conversion of `layer` in closed form, and its stream moved past it."""
-    split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, candidate.budget, candidate.options)
-    plan = ConversionPlan(candidate.options, candidate.budget, [], [], [])
-    converted = (split, factorization.truncate(candidate.budget.kv_lora_rank))
-    state = student_layer_state(source_model, layer, layer_idx, converted, plan)
-    candidate.frequencies.append(split.frequencies)
+    plan = candidate.plan
+    split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, plan.budget, plan.options)
+    planned = layer_plan(split, factorization, plan.budget.kv_lora_rank)
+    state = student_layer_state(source_model, layer, layer_idx, planned, plan)
+    plan.layers.append(planned.built())
     student, rotary = student_layer(state, layer_idx, candidate.config(source_model), layer.input_layernorm.weight)
     candidate.hidden = student_layer_output(student, candidate.hidden, rotary)
 
@@ -198,7 +196,7 @@ def choose_split(
     for candidate in streams:
         cost = candidate_cost(candidate.config(source.model), candidate.choice, config)
         value = stream_perplexity(candidate.hidden, held_out, norm, head)
-        rows.append(candidate_row(candidate.choice, candidate.budget, value, cost))
+        rows.append(candidate_row(candidate.choice, candidate.plan.budget, value, cost))
     best = min(range(len(choices)), key=lambda index: rows[index + 1]["perplexity"])
     rows[best + 1]["chosen"] = True
     return choices[best], rows

@@ -28,7 +28,7 @@ from ..outputs import atomic_folder, check_output_folder
 from ..precision import uses_bf16
 from ..text import document_ids, token_blocks
 from .calibration import source_layer_pass
-from .convert import ConversionOptions, ConversionPlan, factorize_layer, resolve_budget
+from .convert import ConversionOptions, ConversionPlan, LayerPlan, factorize_layer, layer_plan, resolve_budget
 from .fitting_text import (
     extra_documents,
     fitting_and_held_out,
@@ -189,7 +189,8 @@ def layer_by_layer(source: ShardedLayers, job, plan: ConversionPlan, work: Strea
         fitting=fitting_streams(text.blocks, embeddings, job, context),
     )
     if (progress := work.saved_progress()) is not None:
-        written.restore(progress)
+        written.restore(progress)  # the layers a killed run finished are in the plan again
+        plan.layers.extend(LayerPlan(frequencies, budget.kv_lora_rank) for frequencies in written.frequencies)
     inv_freq = source_model.model.rotary_emb.inv_freq.float().cpu()
     layers = range(written.next_layer, source_model.config.num_hidden_layers)
     for layer_idx in tqdm(layers, desc="streaming layers", unit="layer", leave=False):
@@ -200,11 +201,11 @@ def layer_by_layer(source: ShardedLayers, job, plan: ConversionPlan, work: Strea
         else:
             statistics, written.hidden = run_layer(layer, written.hidden, rotary)
         split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, budget, options)
-        state = student_layer_state(
-            source_model, layer, layer_idx, (split, factorization.truncate(budget.kv_lora_rank)), plan
-        )
+        planned = layer_plan(split, factorization, budget.kv_lora_rank)
+        state = student_layer_state(source_model, layer, layer_idx, planned, plan)
+        plan.layers.append(planned.built())
         written.frequencies.append(split.frequencies)
-        config = layer_config(source_model, options, budget, written.frequencies)
+        config = layer_config(source_model, plan)
         if written.fitting is not None:
             state, row = fit_streamed_layer(layer, layer_idx, state, config, written.fitting, rotary)
             written.rows.append(row)
@@ -257,7 +258,7 @@ def run_streaming_conversion(job) -> ConversionReport:
             with times.stage("scoring"):
                 norm_and_head = source.norm_and_head(outer)
                 report.scores = score_streams(written.documents, written.extra, norm_and_head, report.saved_stage)
-        student_config = layer_config(source.model, plan.options, plan.budget, written.frequencies)
+        student_config = layer_config(source.model, plan)
         save_config(student_config, staging, written.weight_map, written.total, job.placement.dtype)
         tokenizer.save_pretrained(staging)
         report.seconds, report.stage_seconds = round(time.time() - started, 1), times.seconds
@@ -306,7 +307,7 @@ def convert_layers(source: ShardedLayers, job, work: StreamWork, text: StreamedT
             searched = choose_split(source, job.options, text.blocks, work.save_statistics)
         work.save_search(*searched)
     options, candidates = searched
-    plan = ConversionPlan(options, resolve_budget(source.config, options), [], [], [])  # splits come layer by layer
+    plan = ConversionPlan(options, resolve_budget(source.config, options))  # its layers come one by one
     with times.stage("layers"):
         written = layer_by_layer(source, job, plan, work, text, searched=bool(candidates))
     return plan, candidates, written
