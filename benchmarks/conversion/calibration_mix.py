@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--eval-text", type=Path, required=True, help="another domain, never fitted on")
     parser.add_argument("--kv-cut", type=float, default=0.6875)
     parser.add_argument("--rope-pairs", type=int, default=15)
-    parser.add_argument("--calib-blocks", type=int, default=64)
+    parser.add_argument("--calibration-blocks", type=int, default=64)
     parser.add_argument("--documents", type=int, default=45, help="held-out documents scored per text")
     parser.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.5, 1.0])
     parser.add_argument("--dampings", type=float, nargs="+", default=[0.01, 0.1, 1.0])
@@ -66,9 +66,9 @@ def main() -> None:
     source = args.source or smollm2_gguf()
     teacher, tokenizer = load_llama(source), load_tokenizer(source)
     fitting, held_out = split_documents(read_documents(args.text), 0.1)
-    text = token_blocks(tokenizer, fitting, 256)[: args.calib_blocks]
+    text = token_blocks(tokenizer, fitting, 256)[: args.calibration_blocks]
     with bf16_autocast(teacher.device, True):
-        sampled = sample_blocks(teacher, tokenizer, args.calib_blocks, 256, Sampling(tokens=0))
+        sampled = sample_blocks(teacher, tokenizer, args.calibration_blocks, 256, Sampling(tokens=0))
     statistics = {"text": calibrate(teacher, text), "samples": calibrate(teacher, sampled)}
     context = teacher.config.max_position_embeddings
     texts = {

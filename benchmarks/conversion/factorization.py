@@ -33,11 +33,11 @@ def main() -> None:
     parser.add_argument("source", nargs="?", default=None)
     parser.add_argument("--kv-cut", type=float, default=0.6875)
     parser.add_argument("--rope-pairs", type=int, default=None)
-    parser.add_argument("--rope-keys", choices=("shared", "per_head"), default="shared")
+    parser.add_argument("--rope-split", choices=("shared", "per_head"), default="shared")
     parser.add_argument("--per-head-pairs", type=int, default=None, help="pairs per KV head of the per-head row")
     parser.add_argument("--text", type=Path, default=None, help="fitting text (default: sampled from the source)")
     parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--calib-blocks", type=int, default=64)
+    parser.add_argument("--calibration-blocks", type=int, default=64)
     parser.add_argument("--eval-blocks", type=int, default=64)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument(
@@ -55,12 +55,12 @@ def main() -> None:
         TextSettings(
             train_text=args.text,
             block_size=args.block_size,
-            calibration_blocks=args.calib_blocks,
-            sampled_blocks=args.calib_blocks,
+            calibration_blocks=args.calibration_blocks,
+            sampled_blocks=args.calibration_blocks,
             eval_blocks=args.eval_blocks,
         ),
     )
-    statistics = calibrate(teacher, text.fit[: args.calib_blocks])
+    statistics = calibrate(teacher, text.fit[: args.calibration_blocks])
     rows = {"source": perplexity(teacher, text.held_out)}
     for factorization in ("activation", "weight"):
         torch.manual_seed(0)
@@ -69,7 +69,7 @@ def main() -> None:
             ConversionOptions(
                 kv_cut=args.kv_cut,
                 rope_pairs=args.rope_pairs,
-                rope_split=args.rope_keys,
+                rope_split=args.rope_split,
                 factorization=factorization,
                 gate_embedding_dim=0,
             ),
@@ -84,7 +84,7 @@ def main() -> None:
         teacher, ConversionOptions(kv_cut=args.kv_cut, rope_split="exact", gate_embedding_dim=0), statistics
     )
     rows[f"activation-aware, RoPE-exact latent of {exact.config.kv_lora_rank}"] = perplexity(exact, text.held_out)
-    if args.rope_keys == "shared":  # the same budget with MHA2MLA's per-KV-head rope keys
+    if args.rope_split == "shared":  # the same budget with MHA2MLA's per-KV-head rope keys
         per_head = convert_llama_to_egmla(
             teacher,
             ConversionOptions(
@@ -104,7 +104,7 @@ def main() -> None:
                 ConversionOptions(
                     kv_lora_rank=min(stacked_rows, teacher.config.hidden_size),
                     rope_pairs=pairs,
-                    rope_split=args.rope_keys,
+                    rope_split=args.rope_split,
                     pair_selection=selection,
                     gate_embedding_dim=0,
                 ),
@@ -114,7 +114,7 @@ def main() -> None:
     source_values = attention_shape(teacher.config).key_value_values
     print(
         f"\n{source}: {source_values} -> {values:.0f} KV values/token/layer ({args.kv_cut:.2%} cut), "
-        f"{args.rope_keys} rope keys of {student.config.qk_rope_head_dim // 2} pairs; "
+        f"{args.rope_split} rope keys of {student.config.qk_rope_head_dim // 2} pairs; "
         f"held-out text: {text.description['eval_text']}"
     )
     print("| model | zero-shot held-out perplexity | vs source |\n|---|---|---|")
