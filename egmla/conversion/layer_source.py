@@ -17,7 +17,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 from ..configuration_egmla import EGMLAConfig
 from ..modeling_egmla import EGMLAForCausalLM
 from .calibration import StatisticsRecorder
-from .convert import ConversionPlan, LayerPlan, layer_attention_state, student_config
+from .convert import ConversionPlan, LayerPlan, factorize_layer, layer_attention_state, layer_plan, student_config
 from .source import SOURCE_CLASSES
 
 SOURCE_LAYERS = {"llama": LlamaDecoderLayer, "mistral": MistralDecoderLayer, "qwen2": Qwen2DecoderLayer}
@@ -159,6 +159,17 @@ def student_layer_state(source, layer, layer_idx: int, planned: LayerPlan, plan)
     for name, tensor in layer.state_dict().items():
         if not name.startswith("self_attn."):
             state[prefix + name] = tensor
+    return state
+
+
+def convert_layer(source, layer, layer_idx: int, statistics, plan: ConversionPlan) -> dict[str, torch.Tensor]:
+    """Source layer `layer_idx` in closed form at the budget's rank, one layer at a time: its plan added to `plan`
+    (its tensors let go once built) and the student layer's tensors returned."""
+    inv_freq = source.model.rotary_emb.inv_freq.float().cpu()
+    split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, plan.budget, plan.options)
+    planned = layer_plan(split, factorization, plan.budget.kv_lora_rank)
+    state = student_layer_state(source, layer, layer_idx, planned, plan)
+    plan.layers.append(planned.built())
     return state
 
 

@@ -25,13 +25,11 @@ from .convert import (
     ConversionOptions,
     ConversionPlan,
     cut_values,
-    factorize_layer,
-    layer_plan,
     resolve_budget,
     student_key_heads,
 )
 from .decode_cost import cost_row, egmla_cost, source_cost
-from .layer_source import LayerSource, layer_config, run_layer, student_layer, student_layer_output, student_layer_state
+from .layer_source import LayerSource, convert_layer, layer_config, run_layer, student_layer, student_layer_output
 from .source import attention_shape
 
 HELD_OUT_BLOCKS = 8  # at most: a slice of the calibration blocks that the candidates are not fitted on
@@ -134,15 +132,9 @@ def candidate_stream(source_config, choice: ConversionOptions, hidden: torch.Ten
 
 
 @torch.no_grad()
-def advance(
-    candidate: CandidateStream, source_model, layer, layer_idx: int, statistics: LayerStatistics, inv_freq
-) -> None:
+def advance(candidate: CandidateStream, source_model, layer, layer_idx: int, statistics: LayerStatistics) -> None:
     """The candidate's conversion of `layer` in closed form, and its stream moved past it."""
-    plan = candidate.plan
-    split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, plan.budget, plan.options)
-    planned = layer_plan(split, factorization, plan.budget.kv_lora_rank)
-    state = student_layer_state(source_model, layer, layer_idx, planned, plan)
-    plan.layers.append(planned.built())
+    state = convert_layer(source_model, layer, layer_idx, statistics, candidate.plan)
     student, rotary = student_layer(state, layer_idx, candidate.config(source_model), layer.input_layernorm.weight)
     candidate.hidden = student_layer_output(student, candidate.hidden, rotary)
 
@@ -166,14 +158,13 @@ def candidate_streams(source: LayerSource, choices: list, blocks: torch.Tensor, 
     embeddings = source.embeddings()
     hidden, source_stream = (torch.nn.functional.embedding(ids, embeddings) for ids in (fit, held_out))
     streams = [candidate_stream(config, choice, source_stream.clone()) for choice in choices]
-    inv_freq = source.model.model.rotary_emb.inv_freq.float().cpu()
     for layer_idx in tqdm(range(config.num_hidden_layers), desc="searching the split", unit="layer", leave=False):
         layer = source.layer(layer_idx)
         rotary = source.rotary(layer)
         statistics, hidden = run_layer(layer, hidden, rotary)
         keep(layer_idx, statistics)
         for candidate in streams:
-            advance(candidate, source.model, layer, layer_idx, statistics, inv_freq)
+            advance(candidate, source.model, layer, layer_idx, statistics)
         _, source_stream = run_layer(layer, source_stream, rotary, record=False)
         del layer  # a layer read from files is freed before the next one is read
     return streams, source_stream, held_out

@@ -28,7 +28,7 @@ from ..outputs import atomic_folder, check_output_folder
 from ..precision import uses_bf16
 from ..text import document_ids, token_blocks
 from .calibration import source_layer_pass
-from .convert import ConversionOptions, ConversionPlan, LayerPlan, factorize_layer, layer_plan, resolve_budget
+from .convert import ConversionOptions, ConversionPlan, LayerPlan, resolve_budget
 from .fitting_text import (
     extra_documents,
     fitting_and_held_out,
@@ -38,10 +38,10 @@ from .fitting_text import (
 )
 from .layer_source import (
     ShardedLayers,
+    convert_layer,
     layer_config,
     run_layer,
     student_layer,
-    student_layer_state,
 )
 from .reconstruction import (
     LayerStreams,
@@ -178,7 +178,7 @@ def layer_by_layer(source: ShardedLayers, job, plan: ConversionPlan, work: Strea
     """Every layer read, calibrated on `text.blocks` (or, where the split search ran, its statistics read back from
     `work`), factorized, fitted and written to `work`, the held-out documents moved past it: a `LayersWritten`. A
     killed run's pass continues after its last finished layer."""
-    options, budget, placement, source_model = plan.options, plan.budget, job.placement, source.model
+    budget, placement, source_model = plan.budget, job.placement, source.model
     context = source_model.config.max_position_embeddings
     embeddings = source.embeddings()
     bf16 = uses_bf16(job.text.scoring_mixed_precision, placement.torch_device(), source_model.config.hidden_size)
@@ -191,7 +191,6 @@ def layer_by_layer(source: ShardedLayers, job, plan: ConversionPlan, work: Strea
     if (progress := work.saved_progress()) is not None:
         written.restore(progress)  # the layers a killed run finished are in the plan again
         plan.layers.extend(LayerPlan(frequencies, budget.kv_lora_rank) for frequencies in written.frequencies)
-    inv_freq = source_model.model.rotary_emb.inv_freq.float().cpu()
     layers = range(written.next_layer, source_model.config.num_hidden_layers)
     for layer_idx in tqdm(layers, desc="streaming layers", unit="layer", leave=False):
         layer = source.layer(layer_idx)
@@ -200,11 +199,8 @@ def layer_by_layer(source: ShardedLayers, job, plan: ConversionPlan, work: Strea
             statistics = work.load_statistics(layer_idx)
         else:
             statistics, written.hidden = run_layer(layer, written.hidden, rotary)
-        split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, budget, options)
-        planned = layer_plan(split, factorization, budget.kv_lora_rank)
-        state = student_layer_state(source_model, layer, layer_idx, planned, plan)
-        plan.layers.append(planned.built())
-        written.frequencies.append(split.frequencies)
+        state = convert_layer(source_model, layer, layer_idx, statistics, plan)
+        written.frequencies.append(plan.layers[-1].frequencies)
         config = layer_config(source_model, plan)
         if written.fitting is not None:
             state, row = fit_streamed_layer(layer, layer_idx, state, config, written.fitting, rotary)
@@ -218,7 +214,7 @@ def layer_by_layer(source: ShardedLayers, job, plan: ConversionPlan, work: Strea
         written.total += write_shard(work.shards, name, state, placement.torch_dtype, written.weight_map)
         written.next_layer = layer_idx + 1
         work.save_progress(written.progress())  # after the shard: a saved layer is always a written one
-        del layer, state, split, factorization  # one layer at a time
+        del layer, state  # one layer at a time
     return written
 
 
