@@ -62,15 +62,13 @@ def job_values(args: argparse.Namespace) -> dict:
     return values | presets
 
 
-def conversion_options(values: argparse.Namespace | dict) -> ConversionOptions:
-    values = vars(values) if isinstance(values, argparse.Namespace) else values
+def conversion_options(values: dict) -> ConversionOptions:
     # A given latent width replaces the command's default cut.
     kv_cut = None if values["kv_lora_rank"] is not None else values["kv_cut"]
     return from_args(ConversionOptions, values, kv_cut=kv_cut)
 
 
-def reconstruction_settings(values: argparse.Namespace | dict) -> ReconstructionSettings:
-    values = vars(values) if isinstance(values, argparse.Namespace) else values
+def reconstruction_settings(values: dict) -> ReconstructionSettings:
     return from_args(ReconstructionSettings, values, prefix=ReconstructionSettings.flag_prefix, seed=values["seed"])
 
 

@@ -698,11 +698,13 @@ def kv_weights(module: "EGMLAAttention", like: torch.Tensor) -> tuple[torch.Tens
 
 
 def absorbed_weights(kv_weight: torch.Tensor, layout: EGMLALayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """W^{UK} [H, dn, r] and W^{UV} transposed [H, r, dv], per query head and contiguous for the absorbed
-    decode's batched products, from W^{UKV} [Hkv, dn+dv, r]."""
-    weight = kv_weight.repeat_interleave(layout.num_key_value_groups, dim=0)  # [H, dn+dv, r]
-    uk_weight, uv_weight = weight.split([layout.qk_nope_head_dim, layout.v_head_dim], dim=1)
-    return uk_weight.contiguous(), uv_weight.transpose(1, 2).contiguous()
+    """W^{UK} [H, dn, r] and W^{UV} transposed [H, r, dv], per query head, from W^{UKV} [Hkv, dn+dv, r]: views
+    where each key head serves one query head (a converted model's), so a decode step copies no weight; else
+    repeated for each key head's group."""
+    if layout.num_key_value_groups > 1:
+        kv_weight = kv_weight.repeat_interleave(layout.num_key_value_groups, dim=0)  # [H, dn+dv, r]
+    uk_weight, uv_weight = kv_weight.split([layout.qk_nope_head_dim, layout.v_head_dim], dim=1)
+    return uk_weight, uv_weight.transpose(1, 2)
 
 
 def build_step(

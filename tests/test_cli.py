@@ -19,7 +19,7 @@ SRC, TEXT = str(STORIES260K), str(EXCERPT)
 
 
 def options_of(*flags: str) -> ConversionOptions:
-    return conversion_options(build_parser().parse_args(["convert", "SRC", "--out", "OUT", *flags]))
+    return conversion_options(vars(build_parser().parse_args(["convert", "SRC", "--out", "OUT", *flags])))
 
 
 @pytest.mark.parametrize(
@@ -61,8 +61,8 @@ def test_parsed_flags_become_the_dataclasses():
          "--reconstruction-steps", "7", "--reconstruction-gate-init", "identity", "--calibration-blocks", "3",
          "--seed", "4"]
     )  # fmt: skip
-    assert conversion_options(args).gate_embedding_dim == 8 and conversion_options(args).seed == 4
-    settings = reconstruction_settings(args)
+    assert conversion_options(vars(args)).gate_embedding_dim == 8 and conversion_options(vars(args)).seed == 4
+    settings = reconstruction_settings(vars(args))
     assert (settings.steps, settings.gate_init, settings.seed) == (7, "identity", 4)
     assert args.learning_rate == 5e-4 and args.calibration_blocks == 3
 

@@ -365,10 +365,10 @@ def test_cli_flags_are_the_field_names():
     new = parse(
         ["convert", "SRC", "--out", "OUT", "--kv-cut", "0.5", "--gate-embedding-dim", "8", "--train-text", str(text)]
     )
-    assert conversion_options(new) == ConversionOptions(kv_cut=0.5, gate_embedding_dim=8)
+    assert conversion_options(vars(new)) == ConversionOptions(kv_cut=0.5, gate_embedding_dim=8)
     assert from_args(TextSettings, new) == TextSettings(train_text=Path(text))
     retrofit = parse(["retrofit", "--kv-lora-rank", "24"])  # a latent width replaces the job's default cut
-    assert conversion_options(retrofit) == ConversionOptions(kv_lora_rank=24)
+    assert conversion_options(vars(retrofit)) == ConversionOptions(kv_lora_rank=24)
     with pytest.raises(SystemExit, match="exactly one of kv_lora_rank and kv_cut"):
         main(["convert", "SRC", "--out", str(Path("never-written"))])
     assert not Path("never-written").exists()

@@ -191,7 +191,7 @@ def statistics_saved(work: Path) -> int:
 
 def layers_streamed(work: Path) -> int:
     try:
-        return torch.load(work / "progress.pt", weights_only=True)["next_layer"]
+        return len(torch.load(work / "progress.pt", weights_only=True)["frequencies"])
     except (OSError, RuntimeError, EOFError):  # none yet, or caught mid-rename
         return 0
 

@@ -6,9 +6,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..data import EXCERPT
-from ..hub import SourceMetadata, perplexity_result, save_card, source_metadata, text_dataset
+from ..hub import SourceMetadata, perplexity_result, save_card, source_metadata
 from ..outputs import finite, is_number, report_json
+from .fitting_text import held_out_dataset
 
 SCORE_KEYS = ("perplexity", "perplexity_by_position", "extra_perplexity", "source_samples")
 
@@ -63,8 +63,11 @@ def job_card(job) -> dict:
     """A conversion job's model card metadata: the source's (or the job's `base_model` and `license`), the output's
     name, the held-out text as its dataset."""
     metadata = source_metadata(job.source, job.base_model, job.license)
-    eval_dataset = text_dataset(job.text.eval_text or job.text.train_text or EXCERPT)
-    return {**dataclasses.asdict(metadata), "model_name": Path(job.out).name, "eval_dataset": eval_dataset}
+    return {
+        **dataclasses.asdict(metadata),
+        "model_name": Path(job.out).name,
+        "eval_dataset": held_out_dataset(job.text),
+    }
 
 
 def format_table(rows: list[tuple[str, str]]) -> str:
@@ -295,7 +298,9 @@ def write_model_card(folder: Path, report: ConversionReport) -> None:
     conversion_report.json in the output folder."""
     (folder / "conversion_report.json").write_text(report_json(report.as_dict()))
     # The card shows no NaN: a score that is not a number is left out.
-    report = ConversionReport.from_dict(finite(report.as_dict()))
+    report = dataclasses.replace(
+        report, **{item.name: finite(getattr(report, item.name)) for item in dataclasses.fields(report)}
+    )
     card = report.card
     settings = "\n".join(
         f"| `{key}` | `{value}` |" for part in (report.options, report.budget) for key, value in part.items()

@@ -81,6 +81,16 @@ def advance_documents(streams: DocumentStreams, source_layer, source_rotary, stu
 
 
 @torch.no_grad()
+def stream_perplexity(hidden: torch.Tensor, blocks: torch.Tensor, norm: torch.nn.Module, head: torch.Tensor) -> float:
+    """Next-token perplexity of a final residual stream [M, L, D] over its blocks [M, L], a block at a time."""
+    total = 0.0
+    for states, ids in zip(hidden, blocks, strict=True):
+        logits = torch.nn.functional.linear(norm(states.to(head.device)), head).float()
+        total += torch.nn.functional.cross_entropy(logits[:-1], ids[1:].to(head.device)).item()
+    return math.exp(total / len(blocks))
+
+
+@torch.no_grad()
 def stream_results(streams: DocumentStreams, norm: torch.nn.Module, head: torch.Tensor, student_name: str) -> dict:
     """The source's and the student's `DocumentLosses.result()` from their streams past the last layer."""
     results = {}

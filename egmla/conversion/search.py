@@ -12,7 +12,6 @@ RoPE exact but rebuilds every cached key at every step, several times the source
 
 import copy
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from .convert import (
 )
 from .decode_cost import cost_row, egmla_cost, source_cost
 from .layer_source import LayerSource, convert_layer, layer_config, run_layer, student_layer, student_layer_output
+from .scoring import stream_perplexity
 from .source import attention_shape
 
 HELD_OUT_BLOCKS = 8  # at most: a slice of the calibration blocks that the candidates are not fitted on
@@ -137,16 +137,6 @@ def advance(candidate: CandidateStream, source_model, layer, layer_idx: int, sta
     state = convert_layer(source_model, layer, layer_idx, statistics, candidate.plan)
     student, rotary = student_layer(state, layer_idx, candidate.config(source_model), layer.input_layernorm.weight)
     candidate.hidden = student_layer_output(student, candidate.hidden, rotary)
-
-
-@torch.no_grad()
-def stream_perplexity(hidden: torch.Tensor, blocks: torch.Tensor, norm: torch.nn.Module, head: torch.Tensor) -> float:
-    """Next-token perplexity of a final residual stream [M, L, D] over its blocks [M, L], a block at a time."""
-    total = 0.0
-    for states, ids in zip(hidden, blocks, strict=True):
-        logits = torch.nn.functional.linear(norm(states.to(head.device)), head).float()
-        total += torch.nn.functional.cross_entropy(logits[:-1], ids[1:].to(head.device)).item()
-    return math.exp(total / len(blocks))
 
 
 def candidate_streams(source: LayerSource, choices: list, blocks: torch.Tensor, keep: Callable) -> tuple:

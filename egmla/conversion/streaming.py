@@ -134,12 +134,13 @@ class StreamedText(NamedTuple):
 
 @dataclasses.dataclass
 class LayersWritten:
-    """What the conversion's pass over the layers leaves: each layer's rope frequencies, the shards' weight map and
-    bytes, the layer-wise fit's rows, and the held-out documents' streams past the last layer (None: not scored).
-    While it runs, also the streams entering layer `next_layer`: the calibration blocks' (where no statistics were
-    saved) and the layer-wise fit's; `progress` and `restore` carry them across a killed run."""
+    """What the conversion's pass over the layers leaves beside its plan (a layer added as each is written): the
+    shards' weight map and bytes, the layer-wise fit's rows, and the held-out documents' streams past the last layer
+    (None: not scored). While it runs, also the streams entering the next layer: the calibration blocks' (where no
+    statistics were saved) and the layer-wise fit's; `progress` and `restore` carry them and the plan's layers
+    across a killed run."""
 
-    frequencies: list = dataclasses.field(default_factory=list)
+    plan: ConversionPlan
     weight_map: dict = dataclasses.field(default_factory=dict)
     total: int = 0
     rows: list = dataclasses.field(default_factory=list)
@@ -147,14 +148,14 @@ class LayersWritten:
     extra: dict[str, DocumentStreams] = dataclasses.field(default_factory=dict)
     hidden: torch.Tensor | None = None
     fitting: FittingStreams | None = None
-    next_layer: int = 0
-    # What a killed run's pass takes back as it was, beside the streams (`both_streams`).
-    CARRIED: ClassVar[tuple[str, ...]] = ("frequencies", "weight_map", "total", "rows", "hidden", "next_layer")
+    # What a killed run's pass takes back as it was, beside the plan's layers and the streams (`both_streams`).
+    CARRIED: ClassVar[tuple[str, ...]] = ("weight_map", "total", "rows", "hidden")
 
     def progress(self) -> dict:
         """Tensors, lists and numbers only (`torch.load(weights_only=True)` reads them back)."""
         return {
             **{name: getattr(self, name) for name in self.CARRIED},
+            "frequencies": [layer.frequencies for layer in self.plan.layers],
             "fitting": both_streams(self.fitting),
             "documents": both_streams(self.documents),
             "extra": {name: both_streams(streams) for name, streams in self.extra.items()},
@@ -163,6 +164,8 @@ class LayersWritten:
     def restore(self, progress: dict) -> None:
         for name in self.CARRIED:
             setattr(self, name, progress[name])
+        rank = self.plan.budget.kv_lora_rank  # the layers a killed run finished are in the plan again
+        self.plan.layers[:] = [LayerPlan(frequencies, rank) for frequencies in progress["frequencies"]]
         saved = [(self.fitting, progress["fitting"]), (self.documents, progress["documents"])]
         saved += [(streams, progress["extra"][name]) for name, streams in self.extra.items()]
         for streams, pair in saved:
@@ -178,20 +181,20 @@ def layer_by_layer(source: ShardedLayers, job, plan: ConversionPlan, work: Strea
     """Every layer read, calibrated on `text.blocks` (or, where the split search ran, its statistics read back from
     `work`), factorized, fitted and written to `work`, the held-out documents moved past it: a `LayersWritten`. A
     killed run's pass continues after its last finished layer."""
-    budget, placement, source_model = plan.budget, job.placement, source.model
+    placement, source_model = job.placement, source.model
     context = source_model.config.max_position_embeddings
     embeddings = source.embeddings()
     bf16 = uses_bf16(job.text.scoring_mixed_precision, placement.torch_device(), source_model.config.hidden_size)
     written = LayersWritten(
+        plan,
         documents=document_streams(text.documents, embeddings, context, bf16) if text.documents else None,
         extra={name: document_streams(ids, embeddings, context, bf16) for name, ids in text.extra.items() if ids},
         hidden=None if searched else torch.nn.functional.embedding(text.blocks, embeddings),
         fitting=fitting_streams(text.blocks, embeddings, job, context),
     )
     if (progress := work.saved_progress()) is not None:
-        written.restore(progress)  # the layers a killed run finished are in the plan again
-        plan.layers.extend(LayerPlan(frequencies, budget.kv_lora_rank) for frequencies in written.frequencies)
-    layers = range(written.next_layer, source_model.config.num_hidden_layers)
+        written.restore(progress)
+    layers = range(len(plan.layers), source_model.config.num_hidden_layers)
     for layer_idx in tqdm(layers, desc="streaming layers", unit="layer", leave=False):
         layer = source.layer(layer_idx)
         rotary = source.rotary(layer)
@@ -200,7 +203,6 @@ def layer_by_layer(source: ShardedLayers, job, plan: ConversionPlan, work: Strea
         else:
             statistics, written.hidden = run_layer(layer, written.hidden, rotary)
         state = convert_layer(source_model, layer, layer_idx, statistics, plan)
-        written.frequencies.append(plan.layers[-1].frequencies)
         config = layer_config(source_model, plan)
         if written.fitting is not None:
             state, row = fit_streamed_layer(layer, layer_idx, state, config, written.fitting, rotary)
@@ -212,7 +214,6 @@ def layer_by_layer(source: ShardedLayers, job, plan: ConversionPlan, work: Strea
                 advance_documents(documents, layer, rotary, student, student_rotary)
         name = f"model-layer-{layer_idx:05d}.safetensors"
         written.total += write_shard(work.shards, name, state, placement.torch_dtype, written.weight_map)
-        written.next_layer = layer_idx + 1
         work.save_progress(written.progress())  # after the shard: a saved layer is always a written one
         del layer, state  # one layer at a time
     return written
@@ -294,7 +295,7 @@ def write_outside_layers(source: ShardedLayers, staging: Path, work: StreamWork,
 
 def convert_layers(source: ShardedLayers, job, work: StreamWork, text: StreamedText, times: StageTimes) -> tuple:
     """The split search's pass where the split is left to it (unless a killed run finished it), then the
-    conversion's: (the plan's shape: the chosen options and their budget; the search's rows; the `LayersWritten`)."""
+    conversion's: (the plan, its layers added as they are written; the search's rows; the `LayersWritten`)."""
     work.statistics.mkdir(parents=True, exist_ok=True)
     work.shards.mkdir(parents=True, exist_ok=True)
     searched = work.saved_search()
