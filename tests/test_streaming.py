@@ -170,41 +170,11 @@ def test_both_conversions_score_under_bf16_autocast_where_asked(tmp_path, capsys
     assert streamed["perplexity"]["zero-shot"] == pytest.approx(whole["perplexity"]["zero-shot"], rel=5e-3)
 
 
-def test_streaming_refuses_what_needs_the_whole_model(tmp_path):
+def test_streaming_refuses_a_job_without_text(tmp_path):
     source = sharded_source(tmp_path / "src", "llama")
     with pytest.raises(SystemExit, match="--stream calibrates on text: give --train-text FILE"):
         main(["convert", str(source), "--out", str(tmp_path / "b"), "--stream", "--kv-cut", "0.5"])  # no text
-    with pytest.raises(SystemExit, match="rank_allocation='energy' needs every layer at once"):
-        main(
-            [
-                "convert",
-                str(source),
-                "--out",
-                str(tmp_path / "c"),
-                "--stream",
-                "--kv-cut",
-                "0.5",
-                "--rank-allocation",
-                "energy",
-                *FLAGS,
-            ]
-        )
-    with pytest.raises(SystemExit, match="without the gate"):
-        main(
-            [
-                "convert",
-                str(source),
-                "--out",
-                str(tmp_path / "d"),
-                "--stream",
-                "--kv-cut",
-                "0.5",
-                "--gate-embedding-dim",
-                "8",
-                *FLAGS,
-            ]
-        )
-    assert not any((tmp_path / name).exists() for name in "bcd")
+    assert not (tmp_path / "b").exists()
 
 
 @pytest.mark.parametrize(("family", "split"), [("llama", "shared"), ("qwen2", "exact"), ("llama", "auto")])
@@ -249,13 +219,17 @@ def test_the_streamed_layer_wise_fit_equals_the_whole_model_one(tmp_path, family
     assert_scores(report, source, {"source": load_llama(source), "layer-wise": whole}, rel=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_streamed_and_whole_model_conversions_with_the_same_options_give_equal_weights(tmp_path, family):
+# The gate on K/V (set by least squares layer by layer) with ranks allocated by energy (every layer's spectrum first).
+GATED_ENERGY = ["--gate-embedding-dim", "8", "--gate-position", "kv", "--rank-allocation", "energy"]
+
+
+@pytest.mark.parametrize(("family", "extra"), [("llama", []), ("qwen2", []), ("llama", GATED_ENERGY)])
+def test_streamed_and_whole_model_conversions_with_the_same_options_give_equal_weights(tmp_path, family, extra):
     """`egmla convert` of one source with one set of options, the split left to the search: the whole-model
     conversion and the streamed one write the same tensors (in closed form: the whole-model conversion keeps a
     layer-wise fit only where it lowers the loss on blocks held aside, and the layer-wise fits are compared above)."""
     source = sharded_source(tmp_path / "src", family)
-    flags = ["--kv-cut", "0.5", *FLAGS, *CLOSED_FORM, "--source-sample-share", "0"]
+    flags = ["--kv-cut", "0.5", *FLAGS, *CLOSED_FORM, "--source-sample-share", "0", *extra]
     main(["convert", str(source), "--out", str(tmp_path / "whole"), "--steps", "0", *flags])
     main(["convert", str(source), "--out", str(tmp_path / "streamed"), "--stream", *flags])
     whole_report = json.loads((tmp_path / "whole" / "conversion_report.json").read_text())
@@ -267,3 +241,13 @@ def test_streamed_and_whole_model_conversions_with_the_same_options_give_equal_w
     assert set(streamed) == set(whole) - {"lm_head.weight"} or set(streamed) == set(whole)
     for name, tensor in streamed.items():
         torch.testing.assert_close(tensor, whole[name], rtol=0, atol=1e-5, msg=name)
+    streamed_report = json.loads((tmp_path / "streamed" / "conversion_report.json").read_text())
+    gates = [report["reconstruction"]["gate"] for report in (whole_report, streamed_report)]
+    assert [[row["fitted"] for row in rows] for rows in gates] == [[row["fitted"] for row in gates[0]]] * 2
+    ranks = [
+        json.loads((tmp_path / name / "config.json").read_text())["kv_lora_rank"] for name in ("whole", "streamed")
+    ]
+    assert ranks[0] == ranks[1]
+    if extra:  # a table fitted per layer, and a rank per layer
+        assert len(gates[0]) == 2 and any(row["fitted"] for row in gates[0])
+        assert isinstance(ranks[0], list) and len(ranks[0]) == 2

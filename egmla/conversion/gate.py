@@ -41,16 +41,14 @@ class GateStatistics(NamedTuple):
 
 
 @torch.no_grad()
-def attention_error(student: EGMLAForCausalLM, layer_idx: int, inputs: SourceLayer, blocks: torch.Tensor) -> float:
-    """|student attention - source attention|^2 of one layer on the source's inputs (its first ERROR_BLOCKS
-    blocks): what decides between the fitted gate and the identity (the K/V error the fit lowers weighs every
-    channel alike)."""
+def attention_error(attention, table, inputs: SourceLayer, blocks: torch.Tensor, rotary) -> float:
+    """|student attention - source attention|^2 of one layer (`attention`, its gate `table`, the student's `rotary`)
+    on the source's inputs (its first ERROR_BLOCKS blocks): what decides between the fitted gate and the identity
+    (the K/V error the fit lowers weighs every channel alike)."""
     inputs, blocks = SourceLayer(*(tensor[:ERROR_BLOCKS] for tensor in inputs)), blocks[:ERROR_BLOCKS]
-    config = student.config
-    table = student.model.gate_embeddings[layer_idx // config.gate_layers_per_table]
-    (gate_rows,) = look_up_gate_rows(torch.nn.ModuleList([table]), blocks)
-    rotary = student.model.rotary_emb(inputs.normed, torch.arange(blocks.shape[1])[None])
-    output, _ = student.model.layers[layer_idx].self_attn(inputs.normed, rotary, None, gate_rows=gate_rows)
+    (gate_rows,) = look_up_gate_rows(torch.nn.ModuleList([table]), blocks.to(inputs.normed.device))
+    position_embeddings = rotary(inputs.normed, torch.arange(blocks.shape[1], device=inputs.normed.device)[None])
+    output, _ = attention(inputs.normed, position_embeddings, None, gate_rows=gate_rows)
     return (output - inputs.attention).double().square().sum().item()
 
 
@@ -89,6 +87,43 @@ def factorised_gate(delta: torch.Tensor, counts: torch.Tensor, channel_weights: 
     return left[:, :width] * root / row_scale, (right[:width].T * root) / column_scale[:, None]
 
 
+class GateFit(NamedTuple):
+    """What every table's fit reads of the calibration blocks."""
+
+    blocks: torch.Tensor  # the calibration blocks [N, S]
+    tokens: torch.Tensor  # [U] their distinct token ids
+    index: torch.Tensor  # [N * S] each position's row of `tokens`
+    counts: torch.Tensor  # [U] their positions
+    shrinkage: float
+
+
+def gate_fit(blocks: torch.Tensor, shrinkage: float) -> GateFit:
+    tokens, index = torch.unique(blocks.flatten(), return_inverse=True)
+    return GateFit(blocks, tokens, index, torch.bincount(index, minlength=len(tokens)), shrinkage)
+
+
+class GateLayer(NamedTuple):
+    """One layer a table is fitted over: its student attention, the source's inputs to it, and their sums."""
+
+    attention: torch.nn.Module
+    inputs: SourceLayer
+    sums: GateStatistics
+
+
+@torch.no_grad()
+def gate_layer(attention, source_attention, split, inputs: SourceLayer, fit: GateFit) -> GateLayer:
+    """The sums of the student `attention` against `source_attention` (the source layer's, with the layer's rope
+    `split`) on the source's `inputs`."""
+    source_key_heads = attention_shape(source_attention.config).key_heads
+    group = attention.config.num_key_value_heads // source_key_heads
+    stacked = stacked_rows(split, source_rows(source_attention)[2])
+    target_rows = stacked.float().view(source_key_heads, -1, stacked.shape[1])
+    target_rows = target_rows.repeat_interleave(group, dim=0).flatten(0, 1).to(inputs.normed.device)  # per key head
+    normed = inputs.normed.flatten(0, 1)
+    sums = gate_statistics(attention, normed, target_rows, fit.index.to(normed.device), len(fit.tokens))
+    return GateLayer(attention, inputs, sums)
+
+
 def fit_gate(
     student: EGMLAForCausalLM,
     source: LlamaForCausalLM,
@@ -96,68 +131,54 @@ def fit_gate(
     plan: ConversionPlan,
     shrinkage: float,
 ) -> list[dict]:
-    """Sets the gate tables and W^{UE} of `student` in place (see the module docstring); per table, the K/V error
-    and the attention output error of its layers with the identity gate and with the fitted one."""
+    """Sets the gate tables and W^{UE} of a built `student` in place (see the module docstring), as the conversion's
+    layer pass sets each layer's; per table, the K/V error and the attention output error of its layers with the
+    identity gate and with the fitted one."""
     config = student.config
     if not config.gate_enabled or config.gate_position != "kv":
         return []
-    source_key_heads = attention_shape(source.config).key_heads
-    group = config.num_key_value_heads // source_key_heads
-    tokens, index = torch.unique(blocks.flatten(), return_inverse=True)
-    counts = torch.bincount(index, minlength=len(tokens))
-    pending, rows = [], []
-    layers = zip(
-        source.model.layers, source_layers(source, blocks), [layer.split for layer in plan.layers], strict=True
-    )
-    for layer_idx, (layer, inputs, split) in enumerate(
+    fit, pending, rows = gate_fit(blocks, shrinkage), [], []
+    layers = zip(source.model.layers, source_layers(source, blocks), plan.layers, strict=True)
+    for layer_idx, (layer, inputs, planned) in enumerate(
         tqdm(layers, desc="fitting the gate", unit="layer", total=config.num_hidden_layers, leave=False)
     ):
-        stacked = stacked_rows(split, source_rows(layer.self_attn)[2])
-        target_rows = stacked.float().view(source_key_heads, -1, stacked.shape[1])
-        target_rows = target_rows.repeat_interleave(group, dim=0).flatten(0, 1)  # per student key head
         attention = student.model.layers[layer_idx].self_attn
-        with torch.no_grad():
-            sums = gate_statistics(attention, inputs.normed.flatten(0, 1), target_rows, index, len(tokens))
-        pending.append((layer_idx, inputs, sums))
+        pending.append(gate_layer(attention, layer.self_attn, planned.split, inputs, fit))
         if len(pending) == config.gate_layers_per_table:
-            rows.append(set_table(student, pending, blocks, GateFit(tokens, counts, shrinkage)))
+            table = student.model.gate_embeddings[layer_idx // config.gate_layers_per_table]
+            rows.append(set_table(table, pending, student.model.rotary_emb, fit))
             pending = []
     return rows
 
 
-class GateFit(NamedTuple):
-    tokens: torch.Tensor  # [U] the distinct token ids of the calibration blocks
-    counts: torch.Tensor  # [U] their positions
-    shrinkage: float
-
-
 @torch.no_grad()
-def set_table(student: EGMLAForCausalLM, layers: list[tuple], blocks: torch.Tensor, fit: GateFit) -> dict:
-    """Fits one gate table (jointly over the layers that share it, `layers`: (index, inputs, sums) each) and the
-    W^{UE} of those layers; keeps the fit only where it lowers the layers' attention output error."""
-    sums = [layer_sums for _, _, layer_sums in layers]
+def set_table(table, layers: list[GateLayer], rotary, fit: GateFit) -> dict:
+    """Fits one gate table jointly over the layers that share it and the W^{UE} of those layers; keeps the fit only
+    where it lowers the layers' attention output error."""
+    sums = [layer.sums for layer in layers]
     gates = [least_squares_gate(layer_sums, fit.shrinkage) for layer_sums in sums]
     channel_weights = torch.cat([layer_sums.mean_energy for layer_sums in sums])
-    width = student.config.gate_embedding_dim
-    table_rows, weight = factorised_gate(torch.cat(gates, dim=1) - 1, fit.counts, channel_weights, width)
+    table_rows, weight = factorised_gate(torch.cat(gates, dim=1) - 1, fit.counts, channel_weights, table.embedding_dim)
     widths = [gate.shape[1] for gate in gates]
     fitted = (1 + table_rows @ weight.T).split(widths, dim=1)
-    first_layer = layers[0][0]
-    table = student.model.gate_embeddings[first_layer // student.config.gate_layers_per_table]
-    projections = [student.model.layers[layer_idx].self_attn.gate_embedding_proj for layer_idx, _, _ in layers]
+    projections = [layer.attention.gate_embedding_proj for layer in layers]
     saved = [table.weight.clone()] + [projection.weight.clone() for projection in projections]
-    before = sum(attention_error(student, layer_idx, inputs, blocks) for layer_idx, inputs, _ in layers)
+
+    def error() -> float:
+        return sum(attention_error(layer.attention, table, layer.inputs, fit.blocks, rotary) for layer in layers)
+
+    before = error()
     table.weight.zero_()  # tokens the calibration never saw: the identity gate
     table.weight[fit.tokens.to(table.weight.device), : table_rows.shape[1]] = table_rows.to(table.weight)
     for projection, layer_weight in zip(projections, weight.split(widths, dim=0), strict=True):
         projection.weight.zero_()
         projection.weight[:, : layer_weight.shape[1]] = layer_weight.to(projection.weight)
-    after = sum(attention_error(student, layer_idx, inputs, blocks) for layer_idx, inputs, _ in layers)
+    after = error()
     if after >= before:
         for parameter, value in zip([table.weight] + [p.weight for p in projections], saved, strict=True):
             parameter.copy_(value)
     return {
-        "layers": [layer_idx for layer_idx, _, _ in layers],
+        "layers": [layer.attention.layer_idx for layer in layers],
         "kv_error": sum(
             squared_error(layer_sums, torch.ones_like(gate)) for layer_sums, gate in zip(sums, gates, strict=True)
         ),

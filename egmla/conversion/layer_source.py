@@ -1,8 +1,8 @@
-"""One decoder layer at a time. A `LayerSource` hands the conversion's passes (the split search, the streamed
-conversion) the source's layers in order, with what runs around them (embeddings, rotary, final norm and head): a
-model in memory (`ModelLayers`) or a checkpoint's safetensors files read a layer at a time with `safe_open`
-(`ShardedLayers`). Each layer runs over hidden states kept on the host (`run_layer`); a student layer is built from
-its converted tensors (`student_layer`)."""
+"""One decoder layer at a time. A `LayerSource` hands the conversion's passes (the split search, the layer pass) the
+source's layers in order, with what runs around them (embeddings, rotary, final norm and head): a model in memory
+(`ModelLayers`) or a checkpoint's safetensors files read a layer at a time with `safe_open` (`ShardedLayers`). Each
+layer runs over hidden states kept on the host (`run_layer`); a layer is converted in closed form (`convert_layer`)
+and its student layer built from its tensors (`student_layer`)."""
 
 import dataclasses
 import json
@@ -15,7 +15,7 @@ from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 from ..configuration_egmla import EGMLAConfig
-from ..modeling_egmla import EGMLAForCausalLM
+from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
 from .calibration import StatisticsRecorder
 from .convert import ConversionPlan, LayerPlan, factorize_layer, layer_attention_state, layer_plan, student_config
 from .source import SOURCE_CLASSES
@@ -162,15 +162,16 @@ def student_layer_state(source, layer, layer_idx: int, planned: LayerPlan, plan)
     return state
 
 
-def convert_layer(source, layer, layer_idx: int, statistics, plan: ConversionPlan) -> dict[str, torch.Tensor]:
-    """Source layer `layer_idx` in closed form at the budget's rank, one layer at a time: its plan added to `plan`
-    (its tensors let go once built) and the student layer's tensors returned."""
+def convert_layer(source, layer, layer_idx: int, statistics, plan: ConversionPlan, rank: int | None = None) -> tuple:
+    """Source layer `layer_idx` in closed form at `rank` (default: the budget's), one layer at a time: (the student
+    layer's tensors, the layer's plan with its rope split and factors); the plan is added to `plan` with its tensors
+    let go."""
     inv_freq = source.model.rotary_emb.inv_freq.float().cpu()
     split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, plan.budget, plan.options)
-    planned = layer_plan(split, factorization, plan.budget.kv_lora_rank)
+    planned = layer_plan(split, factorization, rank or plan.budget.kv_lora_rank)
     state = student_layer_state(source, layer, layer_idx, planned, plan)
     plan.layers.append(planned.built())
-    return state
+    return state, planned
 
 
 def layer_config(source, plan: ConversionPlan) -> EGMLAConfig:
@@ -188,18 +189,25 @@ def student_layer(state: dict, layer_idx: int, config, like: torch.Tensor) -> tu
         skeleton = EGMLAForCausalLM(config)  # its layers get the attention implementation a loaded model has
     layer = skeleton.model.layers[layer_idx]
     # Copies: the state holds source tensors as they are (o_proj, the MLP), which fitting the student must not move.
-    state = {name.removeprefix(prefix): tensor.detach().clone() for name, tensor in state.items()}
+    state = {
+        name.removeprefix(prefix): tensor.detach().clone() for name, tensor in state.items() if name.startswith(prefix)
+    }
     layer.load_state_dict(state, assign=True)
     layer = layer.to(device=like.device, dtype=like.dtype).eval().requires_grad_(False)
     return layer, type(skeleton.model.rotary_emb)(config=config).to(like.device)
 
 
 @torch.no_grad()
-def student_layer_output(layer: torch.nn.Module, hidden: torch.Tensor, rotary: torch.nn.Module) -> torch.Tensor:
-    """A student decoder layer's outputs on `hidden` [N, S, D] (host), computed on the layer's device, causally."""
+def student_layer_output(layer: torch.nn.Module, hidden: torch.Tensor, rotary: torch.nn.Module, gate=None):
+    """A student decoder layer's outputs on `hidden` [N, S, D] (host), computed on the layer's device, causally;
+    `gate`: (its gate table, the token ids [N, S]) where the layer has a gate."""
     states = hidden.to(layer.input_layernorm.weight.device)
     positions = torch.arange(states.shape[1], device=states.device)[None]
-    return layer(states, position_embeddings=rotary(states, positions)).cpu()
+    gate_rows = None
+    if gate is not None:
+        table, ids = gate
+        (gate_rows,) = look_up_gate_rows(torch.nn.ModuleList([table]), ids.to(states.device))
+    return layer(states, position_embeddings=rotary(states, positions), gate_rows=gate_rows).cpu()
 
 
 def final_norm_and_head(source, outer: dict, device, dtype) -> tuple[torch.nn.Module, torch.Tensor]:

@@ -24,13 +24,13 @@ from ..text import (
     token_blocks,
 )
 from ..training import FinetuneSettings, finetune, resume_checkpoint, saved_checkpoint, settings_summary
-from .convert import ConversionOptions, build_student
+from .convert import ConversionOptions, assemble, student_config
 from .decode_cost import cost_row, egmla_cost, measure_decode, rebuild_warning, source_cost
-from .fitting_text import TextData, TextSettings, held_out_dataset, layer_wise_inputs, prepare_text, recovery_settings
-from .gate import fit_gate
+from .fitting_text import TextData, TextSettings, held_out_dataset, prepare_text, recovery_settings
+from .layer_pass import HeldLayers, LayerPass, PassText, check_options, run_pass
+from .layer_source import ModelLayers
 from .memory import GB, MemoryShape, check_memory
-from .plan import plan_conversion
-from .reconstruction import FittedLayers, ReconstructionSettings, reconstruct_layers
+from .reconstruction import ReconstructionSettings
 from .report import ConversionReport, job_card, print_report, write_finetune_card, write_model_card
 from .scoring import StageSelection, add_scores, score_documents
 from .source import (
@@ -43,7 +43,7 @@ from .source import (
     split_gguf,
 )
 from .timing import StageTimes
-from .work import check_resumable, start_work, work_folder
+from .work import WorkFolder, check_resumable, start_work, work_folder
 
 
 @dataclass
@@ -86,7 +86,7 @@ class ConversionJob:
     stream: bool = option(
         False,
         "read, calibrate, convert, fit (the layer-wise fit) and write one layer at a time (peak memory about one "
-        "layer, not two models); no gate, recovery or stage scores; needs --train-text",
+        "layer, not two models); no recovery or stage scores; needs --train-text",
     )
 
     @property
@@ -159,26 +159,19 @@ class Fitting:
     finetune: dict | None = None
 
 
-def fit_stages(
-    student: EGMLAForCausalLM,
-    source: torch.nn.Module,
-    job: ConversionJob,
-    text: TextData,
-    calibration: torch.Tensor,
-    scores: dict,
-    deadline: float | None,
-    times: StageTimes,
-) -> Fitting:
-    """The layer-wise fit, then the recovery (within the time limit's `deadline`), each kept only if it lowers the
-    loss on the blocks held aside; with `job.score_stages`, each stage's held-out scores are added to `scores`."""
+def fit_stages(student: EGMLAForCausalLM, source, job: ConversionJob, text: TextData, passed: LayerPass,
+               scores: dict, deadline: float | None, times: StageTimes) -> Fitting:  # fmt: skip
+    """The stages after the layer pass, each kept only if it lowers the loss on the blocks held aside: the pass's
+    layer-wise fit (`student` is in closed form), then the recovery (within the time limit's `deadline`); with
+    `job.score_stages`, each stage's held-out scores are added to `scores`."""
     if job.score_stages:
         add_scores(scores, score_documents({"zero-shot": student}, text, source))
     stages = StageSelection(text.selection, text.bf16_scoring)
     stages.consider("zero-shot", student)
-    with times.stage("layer-wise fit"):
-        inputs = layer_wise_inputs(calibration, text.recovery.shape[1], job.reconstruction)
-        layers = reconstruct_layers(student, source, *inputs, fitted=FittedLayers(job.work / "layers"))
-    if layers:
+    if passed.rows:
+        _, unexpected = student.load_state_dict(passed.sink.fitted, strict=False)
+        assert not unexpected, unexpected
+        passed.sink.fitted.clear()  # the student holds them now
         if job.score_stages:
             add_scores(scores, score_documents({"layer-wise": student}, text, source))
         stages.consider("layer-wise", student)
@@ -187,7 +180,7 @@ def fit_stages(
         settings = recovery_within_limit(settings, deadline, job.time_limit)
     if settings is None:  # no recovery asked for, or none left within the time limit (then the report says so)
         skipped = None if job.finetune is None else {"skipped": "time limit", "time_limit": job.time_limit}
-        return Fitting(student, stages, layers, skipped)
+        return Fitting(student, stages, passed.rows, skipped)
     checkpoints = job.work / "recovery"  # a killed run's recovery resumes from its last checkpoint
     resumes = saved_checkpoint(checkpoints) is not None
     settings = dataclasses.replace(settings, checkpoint_dir=checkpoints, resume=resumes)
@@ -196,7 +189,7 @@ def fit_stages(
     if job.score_stages:
         add_scores(scores, score_documents({"fine-tuned": result.model}, text, source))
     stages.consider("fine-tuned", result.model)
-    return Fitting(result.model, stages, layers, {**result_summary(result), **public_settings(settings)})
+    return Fitting(result.model, stages, passed.rows, {**result_summary(result), **public_settings(settings)})
 
 
 def load_source(job: ConversionJob, times: StageTimes) -> tuple:
@@ -209,19 +202,21 @@ def load_source(job: ConversionJob, times: StageTimes) -> tuple:
     return source, tokenizer, text
 
 
-def closed_form(job: ConversionJob, source, calibration: torch.Tensor, times: StageTimes) -> tuple:
-    """(the plan, the student it builds, the gate's fit): the split search, calibration, factorization, and the gate
-    on K/V set by least squares where asked for."""
-    plan, _ = plan_conversion(source, job.options, calibration, times)
-    student = build_student(source, plan)
+def layer_pass(job: ConversionJob, source, text: TextData, times: StageTimes) -> tuple[LayerPass, EGMLAForCausalLM]:
+    """The conversion's layer pass over the model in memory, and the student it leaves in closed form (the gate on
+    K/V fitted where asked for; the layer-wise fit's layers are kept in the pass's sink)."""
+    check_options(source.config, job.options)  # before any work is written
+    work = start_work(job)  # the pass and the fitting stages write what a killed run resumes from
+    folder = None if work is None else WorkFolder(work)
+    held = HeldLayers(None if folder is None else folder.shards)
+    calibration = text.fit[: job.text.calibration_blocks]
+    passed = run_pass(ModelLayers(source), job, PassText(calibration, text.recovery.shape[1]), held, folder, times)
+    student = assemble(source, student_config(source, passed.plan), held.closed_form, job.options.seed)
+    held.closed_form.clear()  # the student holds them now
     warning = rebuild_warning(student.config, source.config)
     if warning:
         print(warning)
-    gate = []
-    if job.reconstruction.gate_init == "least_squares":
-        with times.stage("gate fit"):
-            gate = fit_gate(student, source, calibration, plan, job.reconstruction.gate_shrinkage)
-    return plan, student, gate
+    return passed, student
 
 
 def measure_output(report: ConversionReport, source, student, tokenizer, job: ConversionJob, text: TextData) -> None:
@@ -245,13 +240,12 @@ def run_conversion(job: ConversionJob) -> ConversionReport:
     started, times = time.time(), StageTimes()
     source, tokenizer, text = load_source(job, times)
     memory = check_memory(source, memory_shape(job, text, source), job.force)  # before the long stages
-    calibration = text.fit[: job.text.calibration_blocks]
-    plan, student, gate = closed_form(job, source, calibration, times)
+    passed, student = layer_pass(job, source, text, times)
+    plan = passed.plan
     with times.stage("scoring"):
         scores = score_documents({"source": source}, text, source)
     deadline = recovery_deadline(job, started, scoring_seconds=times.seconds["scoring"])
-    start_work(job)  # the fitting stages write what a killed run resumes from
-    fitting = fit_stages(student, source, job, text, calibration, scores, deadline, times)
+    fitting = fit_stages(student, source, job, text, passed, scores, deadline, times)
     student, saved_stage = fitting.student, fitting.stages.saved_stage
     if saved_stage not in scores["perplexity"]:  # the saved model is always scored
         with times.stage("scoring"):
@@ -260,7 +254,7 @@ def run_conversion(job: ConversionJob) -> ConversionReport:
         source=public_name(job.source),
         options=asdict(plan.options),
         budget={**asdict(plan.budget), "kv_lora_rank": student.config.kv_lora_rank},
-        reconstruction={**asdict(job.reconstruction), "gate": gate, "layers": fitting.layers},
+        reconstruction={**asdict(job.reconstruction), "gate": passed.gate_rows, "layers": fitting.layers},
         placement={"device": str(source.device), "dtype": job.placement.dtype},
         candidates=plan.candidates, text=text.description, scores=scores, stages=fitting.stages.rows,
         saved_stage=saved_stage, finetune=fitting.finetune, time_limit=job.time_limit, card=card,

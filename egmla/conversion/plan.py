@@ -1,6 +1,8 @@
-"""Retrofit a Llama checkpoint (MHA or GQA) into EG-MLA, one way down: the split search where the options leave the
-rope split to it (`search.py`), then the plan of the chosen split, computed once (`convert.plan_layers`: budget,
-rope split and factors per layer), then the model built from the plan (`convert.build_student`)."""
+"""The closed form of a model in memory, for the Python API (`convert_llama_to_egmla`) and research: the split search
+where the options leave the rope split to it (`search.py`), the plan of the chosen split computed once
+(`convert.plan_layers`: budget, rope split and factors per layer), then the model built from the plan
+(`convert.build_student`). The conversion commands run the layer pass (`layer_pass.py`) on the same per-layer
+functions."""
 
 import dataclasses
 from contextlib import nullcontext

@@ -9,23 +9,18 @@ closed-form weights.
 """
 
 import contextlib
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar, NamedTuple
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
 from ..options import check_fields, option
-from ..outputs import replace_atomically
 from ..precision import MIXED_PRECISIONS, fitting_autocast
-from .calibration import source_layers
+from .calibration import source_layer_pass
 
 GATE_INITS = ("least_squares", "identity")
 
@@ -53,9 +48,7 @@ class ReconstructionSettings:
         GATE_INITS,
     )
     # Results barely moved between 4 and 64 pseudo-positions (docs/results.md#behind-the-defaults).
-    gate_shrinkage: float = option(
-        16.0, "pseudo-positions pulling a rare token's gate toward 1", bounds="[0, inf)"
-    )
+    gate_shrinkage: float = option(16.0, "pseudo-positions pulling a rare token's gate toward 1", bounds="[0, inf)")
     mixed_precision: str = option(
         "auto", "the layer-wise fit's forward passes under bfloat16 autocast (see --mixed-precision)", MIXED_PRECISIONS
     )
@@ -148,40 +141,6 @@ def layer_autocast(block: StudentBlock, settings: ReconstructionSettings, device
     return fitting_autocast(settings.mixed_precision, device, block.layer.self_attn.config.hidden_size)
 
 
-@dataclass(frozen=True)
-class FittedLayers:
-    """Each fitted layer's block (its attention, and the gate table it moves) and report row, written to `folder`
-    as soon as it is fitted, so that a killed conversion resumes after the last finished layer."""
-
-    folder: Path
-
-    def path(self, layer_idx: int) -> Path:
-        return self.folder / f"layer-{layer_idx:04d}.safetensors"
-
-    def save(self, block: "StudentBlock", row: dict) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        metadata = {"row": json.dumps(row)}
-        replace_atomically(self.path(row["layer"]), lambda path: save_file(block_state(block), path, metadata=metadata))
-
-    def load(self, block: "StudentBlock", layer_idx: int) -> dict | None:
-        """The layer's saved row, its block restored; None when it was not fitted yet."""
-        if not self.path(layer_idx).exists():
-            return None
-        state = load_file(self.path(layer_idx))
-        block.layer.self_attn.load_state_dict({key[5:]: value for key, value in state.items() if key[:5] == "attn."})
-        if block.table is not None and block.moves_table:
-            block.table.load_state_dict({key[6:]: value for key, value in state.items() if key[:6] == "table."})
-        with safe_open(self.path(layer_idx), "pt") as saved:
-            return json.loads(saved.metadata()["row"])
-
-
-def block_state(block: "StudentBlock") -> dict[str, torch.Tensor]:
-    state = {f"attn.{key}": value for key, value in block.layer.self_attn.state_dict().items()}
-    if block.table is not None and block.moves_table:
-        state |= {f"table.{key}": value for key, value in block.table.state_dict().items()}
-    return {key: value.detach().contiguous().cpu() for key, value in state.items()}
-
-
 class LayerFit(NamedTuple):
     """One layer's fit: its report row and the student's stream after the kept block's attention [N, S, D]."""
 
@@ -253,44 +212,51 @@ def next_student_stream(block: StudentBlock, attended: torch.Tensor) -> torch.Te
     return attended + block.layer.mlp(block.layer.post_attention_layernorm(attended))
 
 
+@dataclass
+class FittingStreams:
+    """The layer-wise fit's data, on the host: the calibration blocks packed to the recovery length [M, L] and the
+    source's and the student's residual streams entering the next layer [M, L, D]."""
+
+    blocks: torch.Tensor
+    source: torch.Tensor
+    student: torch.Tensor
+    settings: ReconstructionSettings  # its batch size counts packed blocks
+
+
+def fit_and_advance(block: StudentBlock, source_layer, fitting: FittingStreams, source_rotary, student_rotary) -> dict:
+    """Fits the student's `block` to `source_layer` (a source decoder layer) on the streams entering them, moves
+    both streams past the layer, and returns the fit's report row."""
+    device = source_layer.input_layernorm.weight.device
+    blocks, source_in, student_in = (tensor.to(device) for tensor in (fitting.blocks, fitting.source, fitting.student))
+    positions = torch.arange(blocks.shape[1], device=device)[None]
+    with layer_autocast(block, fitting.settings, device):
+        layer, source_out = source_layer_pass(source_layer, source_in, source_rotary(source_in, positions))
+    streams = LayerStreams(student_in, layer.hidden, layer.hidden + layer.attention)
+    row, attended = fit_layer(block, streams, blocks, student_rotary(student_in, positions), fitting.settings)
+    with layer_autocast(block, fitting.settings, device):
+        fitting.student = next_student_stream(block, attended).cpu()
+    fitting.source = source_out.cpu()
+    return row
+
+
 def reconstruct_layers(
-    student: EGMLAForCausalLM,
-    source: LlamaForCausalLM,
-    blocks: torch.Tensor,
-    settings: ReconstructionSettings,
-    fitted: FittedLayers | None = None,
+    student: EGMLAForCausalLM, source: LlamaForCausalLM, blocks: torch.Tensor, settings: ReconstructionSettings
 ) -> list[dict]:
-    """Fits every attention block of `student` in place, on calibration token blocks [N, S] (see the module
-    docstring); per layer, the block error before and after. With `fitted`, each layer is written there once fitted
-    and a layer found there is restored instead of fitted again (each layer's steps draw from their own seed, so a
-    resumed fit equals an uninterrupted one). The caller's random state is left as it was."""
+    """Fits every attention block of an already built `student` in place, first layer to last, on calibration token
+    blocks [N, S] (see the module docstring), as the conversion's layer pass fits each layer as it goes by; per
+    layer, the block error before and after. The caller's random state is left as it was."""
     if settings.steps == 0:
         return []
-    student.eval()
-    for parameter in student.parameters():
-        parameter.requires_grad_(False)
+    student.eval().requires_grad_(False)
     with torch.no_grad():
-        student_in = student.model.embed_tokens(blocks)
-        rotary = student.model.rotary_emb(student_in, torch.arange(blocks.shape[1])[None])
-    rows, sources = [], source_layers(source, blocks)
+        hidden = source.model.embed_tokens(blocks).cpu()
+    fitting = FittingStreams(blocks.cpu(), hidden, hidden.clone(), settings)
+    rows = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         for layer_idx in tqdm(range(student.config.num_hidden_layers), desc="fitting layers", unit="layer"):
+            source_rotary, student_rotary = source.model.rotary_emb, student.model.rotary_emb
             block = student_block(student, layer_idx)
-            with layer_autocast(block, settings, student_in.device):
-                target = next(sources)
-            streams = LayerStreams(student_in, target.hidden, target.hidden + target.attention)
-            row = fitted.load(block, layer_idx) if fitted is not None else None
-            if row is None:
-                fit = fit_layer(block, streams, blocks, rotary, settings)
-                row, attended = fit.row, fit.attended
-                if fitted is not None:
-                    fitted.save(block, row)
-            else:
-                attended = block_output(block, student_in, blocks, rotary, settings)
-            rows.append(row)
-            with layer_autocast(block, settings, student_in.device):
-                student_in = next_student_stream(block, attended)
-    for parameter in student.parameters():
-        parameter.requires_grad_(True)
+            rows.append(fit_and_advance(block, source.model.layers[layer_idx], fitting, source_rotary, student_rotary))
+    student.requires_grad_(True)
     return rows

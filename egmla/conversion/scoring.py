@@ -72,12 +72,15 @@ def document_streams(
     return DocumentStreams(batches, source, [hidden.clone() for hidden in source], context, bf16)
 
 
-def advance_documents(streams: DocumentStreams, source_layer, source_rotary, student, student_rotary) -> None:
+def advance_documents(streams: DocumentStreams, source_layer, source_rotary, student, student_rotary, table=None):
     """Both streams past one layer: the source's (causal over each right-padded batch, as exact on the real tokens
-    as a padding mask) and the student's."""
+    as a padding mask) and the student's (with its gate `table`, if any)."""
     with bf16_autocast(source_layer.input_layernorm.weight.device, streams.bf16):
         streams.source = [run_layer(source_layer, hidden, source_rotary, record=False)[1] for hidden in streams.source]
-        streams.student = [student_layer_output(student, hidden, student_rotary) for hidden in streams.student]
+        streams.student = [
+            student_layer_output(student, hidden, student_rotary, None if table is None else (table, ids))
+            for hidden, (ids, _) in zip(streams.student, streams.batches, strict=True)
+        ]
 
 
 @torch.no_grad()

@@ -134,7 +134,7 @@ def candidate_stream(source_config, choice: ConversionOptions, hidden: torch.Ten
 @torch.no_grad()
 def advance(candidate: CandidateStream, source_model, layer, layer_idx: int, statistics: LayerStatistics) -> None:
     """The candidate's conversion of `layer` in closed form, and its stream moved past it."""
-    state = convert_layer(source_model, layer, layer_idx, statistics, candidate.plan)
+    state, _ = convert_layer(source_model, layer, layer_idx, statistics, candidate.plan)
     student, rotary = student_layer(state, layer_idx, candidate.config(source_model), layer.input_layernorm.weight)
     candidate.hidden = student_layer_output(student, candidate.hidden, rotary)
 

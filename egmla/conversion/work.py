@@ -1,8 +1,7 @@
 """What a killed conversion resumes from, in its work folder beside OUT (`.OUT.resume`), and the check that a resumed
-run is the same job. A whole-model conversion keeps its fitted layers and recovery checkpoints there; a streamed one
-(`egmla convert --stream`) the split search's choice, the statistics it saved a layer at a time, each converted
-layer's shard, and after each layer the residual streams entering the next one. Each file is written whole or not
-at all, so a run killed at any moment resumes after its last finished step."""
+run is the same job: the split search's choice, the statistics it saved a layer at a time, each layer the layer pass
+finished, after each layer the streams entering the next one, and the recovery's checkpoints. Each file is written
+whole or not at all, so a run killed at any moment resumes after its last finished step."""
 
 import dataclasses
 import json
@@ -23,8 +22,9 @@ SEARCH_FILE, PROGRESS_FILE = "search.json", "progress.pt"
 
 
 @dataclasses.dataclass(frozen=True)
-class StreamWork:
-    """A streamed conversion's work folder; `None` where a method finds nothing saved yet."""
+class WorkFolder:
+    """A conversion's work folder, as the layer pass reads and writes it; `None` where a method finds nothing saved
+    yet."""
 
     folder: Path
 
