@@ -240,8 +240,8 @@ def test_output_weights_follow_their_definition_per_head():
 def test_allocate_ranks_takes_the_largest_energy_shares():
     flat = factorize(torch.eye(6)[:4] * 1.0, None, 0.0)  # four equal directions
     peaked = factorize(torch.diag(torch.tensor([10.0, 1.0, 0.1, 0.01])), None, 0.0)
-    assert allocate_ranks([flat, peaked], 2, "uniform") == [2, 2]
-    assert allocate_ranks([flat, peaked], 2, "energy") == [3, 1]
+    assert allocate_ranks([flat.energy(), peaked.energy()], 2, "uniform") == [2, 2]
+    assert allocate_ranks([flat.energy(), peaked.energy()], 2, "energy") == [3, 1]
 
 
 def test_refuses_what_it_cannot_convert(tmp_path):

@@ -251,3 +251,39 @@ def test_streamed_and_whole_model_conversions_with_the_same_options_give_equal_w
     if extra:  # a table fitted per layer, and a rank per layer
         assert len(gates[0]) == 2 and any(row["fitted"] for row in gates[0])
         assert isinstance(ranks[0], list) and len(ranks[0]) == 2
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_gated_energy_ranked_conversion_interrupted_in_its_layer_pass_resumes_to_an_uninterrupted_one(
+    tmp_path, monkeypatch, stream
+):
+    """The gate on K/V fitted layer by layer and ranks by energy, the layer-wise fit on: stopped after the pass's
+    first layer, `--resume` continues from the layer and ranks it saved, and writes what an uninterrupted run
+    writes (whole-model and streamed)."""
+    import egmla.conversion.layer_pass as layer_pass
+
+    source = sharded_source(tmp_path / "src", "llama")
+    flags = ["--kv-cut", "0.5", *FLAGS, "--reconstruction-steps", "5", "--source-sample-share", "0", *GATED_ENERGY]
+    flags += ["--stream"] if stream else ["--steps", "0"]
+    main(["convert", str(source), "--out", str(tmp_path / "straight"), *flags])
+    command = ["convert", str(source), "--out", str(tmp_path / "out"), *flags]
+    converted = layer_pass.pass_layer
+
+    def stopped_at_the_second_layer(source, layer_idx, *args):
+        if layer_idx == 1:
+            raise KeyboardInterrupt
+        converted(source, layer_idx, *args)
+
+    monkeypatch.setattr(layer_pass, "pass_layer", stopped_at_the_second_layer)
+    with pytest.raises(KeyboardInterrupt):
+        main(command)
+    assert json.loads((tmp_path / ".out.resume" / "ranks.json").read_text())
+    monkeypatch.undo()
+    main([*command, "--resume"])
+    straight, resumed = {}, {}
+    for folder, tensors in (("straight", straight), ("out", resumed)):
+        for shard in sorted((tmp_path / folder).glob("*.safetensors")):
+            tensors.update(load_file(shard))
+    assert straight.keys() == resumed.keys() and any("gate_embeddings" in name for name in straight)
+    for name, tensor in straight.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)

@@ -149,13 +149,18 @@ class SourceLayer(NamedTuple):
 
 
 @torch.no_grad()  # the source is never trained: its streams are targets, whatever its parameters' requires_grad
-def source_layer_pass(layer: torch.nn.Module, hidden: torch.Tensor, rotary) -> tuple[SourceLayer, torch.Tensor]:
-    """One source decoder layer on the residual stream `hidden` [N, S, D]: what its attention reads and adds, and
-    the stream after the whole layer."""
+def source_attention(layer: torch.nn.Module, hidden: torch.Tensor, rotary) -> SourceLayer:
+    """What one source decoder layer's attention reads and adds on the residual stream `hidden` [N, S, D]."""
     normed = layer.input_layernorm(hidden)
-    attention = layer.self_attn(normed, rotary, None)[0]
-    after = hidden + attention
-    return SourceLayer(hidden, normed, attention), after + layer.mlp(layer.post_attention_layernorm(after))
+    return SourceLayer(hidden, normed, layer.self_attn(normed, rotary, None)[0])
+
+
+@torch.no_grad()
+def source_layer_pass(layer: torch.nn.Module, hidden: torch.Tensor, rotary) -> tuple[SourceLayer, torch.Tensor]:
+    """`source_attention`, and the stream after the whole layer."""
+    inputs = source_attention(layer, hidden, rotary)
+    after = hidden + inputs.attention
+    return inputs, after + layer.mlp(layer.post_attention_layernorm(after))
 
 
 @torch.no_grad()  # on a generator, torch switches grad off around each step only: the caller's mode is its own

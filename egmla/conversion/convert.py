@@ -407,7 +407,7 @@ def plan_layers(
         split, factorization = factorize_layer(layer.self_attn, stats, inv_freq, budget, options)
         splits.append(split)
         factorizations.append(factorization)
-    ranks = allocate_ranks(factorizations, budget.kv_lora_rank, options.rank_allocation)
+    ranks = allocate_ranks([f.energy() for f in factorizations], budget.kv_lora_rank, options.rank_allocation)
     planned = zip(splits, factorizations, ranks, strict=True)
     layers = [layer_plan(split, factorization, rank) for split, factorization, rank in planned]
     return ConversionPlan(options, budget, layers)

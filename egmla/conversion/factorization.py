@@ -102,15 +102,15 @@ def factorize(
     return Factorization(left, spectrum, right, row_weights)
 
 
-def allocate_ranks(factorizations: list[Factorization], rank: int, allocation: str) -> list[int]:
-    """`uniform`: every layer gets `rank`. `energy`: the same total, given greedily to the directions that carry
-    the largest share of their layer's energy (every layer keeps at least one)."""
+def allocate_ranks(energies: list[torch.Tensor], rank: int, allocation: str) -> list[int]:
+    """Per layer, from its factorization's `energy()`: `uniform`: every layer gets `rank`. `energy`: the same
+    total, given greedily to the directions that carry the largest share of their layer's energy (every layer
+    keeps at least one)."""
     if allocation == "uniform":
-        return [rank] * len(factorizations)
-    energies = [f.energy() for f in factorizations]
-    ranks = [1] * len(factorizations)
+        return [rank] * len(energies)
+    ranks = [1] * len(energies)
     candidates = [(energy[k].item(), layer, k) for layer, energy in enumerate(energies) for k in range(1, len(energy))]
     # Energies decrease along k, so taking the largest values globally keeps each layer's chosen set a prefix.
-    for _, layer, _ in sorted(candidates, reverse=True)[: rank * len(factorizations) - len(factorizations)]:
+    for _, layer, _ in sorted(candidates, reverse=True)[: rank * len(energies) - len(energies)]:
         ranks[layer] += 1
     return ranks

@@ -80,7 +80,8 @@ def squared_error(statistics: GateStatistics, gate: torch.Tensor) -> float:
 def factorised_gate(delta: torch.Tensor, counts: torch.Tensor, channel_weights: torch.Tensor, width: int):
     """delta = g - 1 [U, C] ~ rows [U, width] x weight.T, weighted by sqrt(counts) per row and sqrt(channel
     weight) per column; (rows, weight [C, width])."""
-    row_scale, column_scale = counts.double().sqrt()[:, None], channel_weights.double().clamp(min=1e-30).sqrt()
+    row_scale = counts.to(delta.device).double().sqrt()[:, None]  # the counts stay on the host with the blocks
+    column_scale = channel_weights.double().clamp(min=1e-30).sqrt()
     left, singular, right = torch.linalg.svd(delta.double() * row_scale * column_scale, full_matrices=False)
     width = min(width, len(singular))
     root = singular[:width].sqrt()

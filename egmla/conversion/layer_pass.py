@@ -19,7 +19,7 @@ from ..modeling_egmla import EGMLAAttention, EGMLAGateTable
 from ..options import Placement
 from ..outputs import replace_atomically
 from ..precision import uses_bf16
-from .calibration import LayerStatistics, source_layer_pass
+from .calibration import LayerStatistics, source_attention
 from .convert import ConversionOptions, ConversionPlan, LayerPlan, factorize_layer, resolve_budget
 from .factorization import allocate_ranks
 from .fitting_text import TextSettings, layer_wise_inputs
@@ -46,8 +46,8 @@ class PassText(NamedTuple):
 
     blocks: torch.Tensor  # calibration token blocks [N, S]
     fit_length: int  # tokens per packed block of the layer-wise fit
-    documents: list[torch.Tensor] = []  # held-out documents scored as the layers go by (none: scored after)
-    extra: dict[str, list[torch.Tensor]] = {}  # more held-out texts' documents, by name
+    documents: tuple[torch.Tensor, ...] = ()  # held-out documents scored as the layers go by (none: scored after)
+    extra: tuple[tuple[str, list[torch.Tensor]], ...] = ()  # more held-out texts' documents: (name, documents)
 
 
 class LayerSink(Protocol):
@@ -146,7 +146,7 @@ def start_pass(source: LayerSource, job: ConversionJob, plan: ConversionPlan, te
         ranks,
         gate,
         documents=document_streams(text.documents, embeddings, context, bf16) if text.documents else None,
-        extra={name: document_streams(ids, embeddings, context, bf16) for name, ids in text.extra.items() if ids},
+        extra={name: document_streams(ids, embeddings, context, bf16) for name, ids in text.extra if ids},
         hidden=torch.nn.functional.embedding(text.blocks, embeddings) if calibrates else None,
         fitting=fitting_streams(text.blocks, embeddings, job, text.fit_length),
     )
@@ -160,7 +160,7 @@ def calibrate_layer(layer, rotary, state: LayerPass, saved: LayerStatistics | No
         device = layer.input_layernorm.weight.device
         hidden = state.hidden.to(device)
         positions = torch.arange(hidden.shape[1], device=device)[None]
-        gate_inputs, _ = source_layer_pass(layer, hidden, rotary(hidden, positions))
+        gate_inputs = source_attention(layer, hidden, rotary(hidden, positions))
     statistics = saved
     if state.hidden is not None:
         recorded, state.hidden = run_layer(layer, state.hidden, rotary, record=saved is None)
@@ -218,6 +218,7 @@ def pass_layer(source: LayerSource, layer_idx: int, state: LayerPass, saved, tim
         with times.stage("gate fit"):
             fitted_gate = gate_layer(student.self_attn, layer.self_attn, planned.split, gate_inputs, state.gate)
             state.gate_rows.append(set_table(table, [fitted_gate], student_rotary, state.gate))
+            del gate_inputs, fitted_gate  # [N, S, D] each, on the device: freed before the fit
         closed_form = layer_state(student, table, layer_idx)
     fitted = closed_form
     if state.fitting is not None:
@@ -258,6 +259,7 @@ def pass_layers(source: LayerSource, job: ConversionJob, plan: ConversionPlan, t
         pass_layer(source, layer_idx, state, saved, times)
         if work is not None:
             work.save_progress(state.progress())  # after the sink's write: a saved layer is always a written one
+    state.hidden = state.fitting = None  # what entered the next layer: no layer is left
     return state
 
 
@@ -272,7 +274,8 @@ def statistics_pass(source: LayerSource, blocks: torch.Tensor, keep) -> None:
 
 def layer_ranks(source: LayerSource, plan: ConversionPlan, blocks: torch.Tensor, store, saved: bool, times) -> list:
     """Each layer's latent width: the budget's, or with `rank_allocation="energy"` the same total given where the
-    spectra of all layers hold the most energy (their statistics taken first into `store` unless `saved` there)."""
+    spectra of all layers hold the most energy (their statistics taken first into `store` unless `saved` there;
+    one layer factorized at a time, its spectrum's energy kept)."""
     layers, rank = source.config.num_hidden_layers, plan.budget.kv_lora_rank
     if plan.options.rank_allocation == "uniform":
         return [rank] * layers
@@ -280,12 +283,13 @@ def layer_ranks(source: LayerSource, plan: ConversionPlan, blocks: torch.Tensor,
         with times.stage("calibration"):
             statistics_pass(source, blocks, store.save_statistics)
     inv_freq = source.model.model.rotary_emb.inv_freq.float().cpu()
-    with times.stage("factorization"):
-        factorizations = [
-            factorize_layer(source.layer(i).self_attn, store.load_statistics(i), inv_freq, plan.budget, plan.options)[1]
-            for i in range(layers)
-        ]
-    return allocate_ranks(factorizations, rank, "energy")
+    energies = []
+    for layer_idx in tqdm(range(layers), desc="ranking layers", unit="layer", leave=False):
+        with times.stage("factorization"):
+            statistics = store.load_statistics(layer_idx)
+            attention = source.layer(layer_idx).self_attn
+            energies.append(factorize_layer(attention, statistics, inv_freq, plan.budget, plan.options)[1].energy())
+    return allocate_ranks(energies, rank, "energy")
 
 
 def run_pass(source: LayerSource, job: ConversionJob, text: PassText, sink: LayerSink, work: WorkFolder | None,
@@ -305,8 +309,12 @@ def run_pass(source: LayerSource, job: ConversionJob, text: PassText, sink: Laye
     options, candidates = searched
     plan = ConversionPlan(options, resolve_budget(source.config, options), [], candidates)
     saved = bool(candidates)  # the search's pass saved every layer's statistics
-    ranks = layer_ranks(source, plan, text.blocks, store, saved, times)
-    saved = saved or options.rank_allocation == "energy"
+    ranks = work.saved_ranks() if work is not None else None  # a killed run's, as they were
+    if ranks is None:
+        ranks = layer_ranks(source, plan, text.blocks, store, saved, times)
+        if work is not None:
+            work.save_ranks(ranks)
+    saved = saved or options.rank_allocation == "energy"  # ranking by energy saved them too
     return pass_layers(source, job, plan, text, PassSetup(sink, ranks, store if saved else None), work, times)
 
 
@@ -314,19 +322,21 @@ class HeldLayers:
     """The whole-model conversion's sink: each layer's converted attention (and gate table), in closed form and
     fitted, kept for the student built after the pass; with a work folder, also written there for a resumed run."""
 
-    def __init__(self, folder: Path | None):
-        self.folder, self.closed_form, self.fitted = folder, {}, {}
+    def __init__(self, folder: Path | None, dtype: torch.dtype):
+        self.folder, self.dtype, self.closed_form, self.fitted = folder, dtype, {}, {}
 
-    @staticmethod
-    def converted(state: dict) -> dict[str, torch.Tensor]:
-        """What conversion changed of a layer (its attention, its gate table): the rest is the source's own."""
-        return {
-            name: tensor.cpu() for name, tensor in state.items() if ".self_attn." in name or ".gate_embeddings." in name
+    def converted(self, state: dict) -> dict[str, torch.Tensor]:
+        """What conversion changed of a layer (its attention, its gate table), in the student's dtype: the rest is
+        the source's own."""
+        changed = {
+            name: tensor for name, tensor in state.items() if ".self_attn." in name or ".gate_embeddings." in name
         }
+        return {name: tensor.to("cpu", self.dtype) for name, tensor in changed.items()}
 
     def write(self, layer_idx: int, closed_form: dict, fitted: dict) -> None:
         unfitted = fitted is closed_form
-        closed_form, fitted = self.converted(closed_form), self.converted(fitted)
+        closed_form = self.converted(closed_form)
+        fitted = closed_form if unfitted else self.converted(fitted)
         self.closed_form.update(closed_form)
         self.fitted.update(fitted)
         if self.folder is not None:  # an unfitted layer's tensors once

@@ -208,11 +208,13 @@ def layer_pass(job: ConversionJob, source, text: TextData, times: StageTimes) ->
     check_options(source.config, job.options)  # before any work is written
     work = start_work(job)  # the pass and the fitting stages write what a killed run resumes from
     folder = None if work is None else WorkFolder(work)
-    held = HeldLayers(None if folder is None else folder.shards)
+    held = HeldLayers(None if folder is None else folder.shards, source.dtype)
     calibration = text.fit[: job.text.calibration_blocks]
     passed = run_pass(ModelLayers(source), job, PassText(calibration, text.recovery.shape[1]), held, folder, times)
     student = assemble(source, student_config(source, passed.plan), held.closed_form, job.options.seed)
     held.closed_form.clear()  # the student holds them now
+    if not passed.rows:
+        held.fitted.clear()  # nothing fitted: the closed form's tensors
     warning = rebuild_warning(student.config, source.config)
     if warning:
         print(warning)

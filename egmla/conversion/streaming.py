@@ -19,7 +19,7 @@ from transformers.dynamic_module_utils import custom_object_save
 
 from ..hub import public_name
 from ..modeling_egmla import EGMLAForCausalLM
-from ..outputs import atomic_folder, check_output_folder
+from ..outputs import atomic_folder, check_output_folder, replace_atomically
 from ..text import document_ids, token_blocks
 from .fitting_text import (
     extra_documents,
@@ -37,7 +37,8 @@ from .work import WorkFolder, start_work
 
 
 def write_shard(staging: Path, name: str, state: dict, dtype: torch.dtype, weight_map: dict) -> int:
-    save_file({key: value.to(dtype).contiguous().cpu() for key, value in state.items()}, staging / name)
+    tensors = {key: value.to(dtype).contiguous().cpu() for key, value in state.items()}
+    replace_atomically(staging / name, lambda path: save_file(tensors, path))
     weight_map.update(dict.fromkeys(state, name))
     return sum(value.numel() * dtype.itemsize for value in state.values())
 
@@ -92,13 +93,15 @@ def run_streaming_conversion(job) -> ConversionReport:
     check_tokenizer(tokenizer, config, folder)
     blocks = calibration_blocks(job, tokenizer)  # refuses a job without text by name
     documents, eval_source, extra = held_out_documents(job, tokenizer, config.max_position_embeddings)
-    text = PassText(blocks, recovery_length(job.text, config.max_position_embeddings), documents, extra)
+    text = PassText(blocks, recovery_length(job.text, config.max_position_embeddings), tuple(documents),
+                    tuple(extra.items()))  # fmt: skip
     check_options(config, job.options)
     work = WorkFolder(start_work(dataclasses.replace(job, stream=True)))  # a killed run resumes from here
     shards = LayerShards(work, job.placement.torch_dtype)
     with atomic_folder(job.out, job.overwrite, (str(folder),)) as staging:
         passed = run_pass(source, job, text, shards, work, times)
-        report = streamed_report(job, passed)
+        student_config = layer_config(source.model, passed.plan)
+        report = streamed_report(job, passed, student_config)
         outer = write_outside_layers(source, staging, shards, times)
         if passed.documents is not None:
             report.saved_stage = "layer-wise" if passed.rows else "zero-shot"
@@ -107,7 +110,6 @@ def run_streaming_conversion(job) -> ConversionReport:
             with times.stage("scoring"):
                 norm_and_head = source.norm_and_head(outer)
                 report.scores = score_streams(passed.documents, passed.extra, norm_and_head, report.saved_stage)
-        student_config = layer_config(source.model, passed.plan)
         save_config(student_config, staging, shards.weight_map, shards.total, job.placement.dtype)
         tokenizer.save_pretrained(staging)
         report.seconds, report.stage_seconds = round(time.time() - started, 1), times.seconds
@@ -119,13 +121,13 @@ def run_streaming_conversion(job) -> ConversionReport:
     return report
 
 
-def streamed_report(job, passed: LayerPass) -> ConversionReport:
+def streamed_report(job, passed: LayerPass, student_config) -> ConversionReport:
     """The report's settings and the layer-wise fit's rows; the scores follow."""
     plan = passed.plan
     return ConversionReport(
         source=public_name(job.source),
         options=dataclasses.asdict(plan.options),
-        budget=dataclasses.asdict(plan.budget),
+        budget={**dataclasses.asdict(plan.budget), "kv_lora_rank": student_config.kv_lora_rank},
         reconstruction={**dataclasses.asdict(job.reconstruction), "gate": passed.gate_rows, "layers": passed.rows},
         placement={"device": str(job.placement.torch_device()), "dtype": job.placement.dtype},
         candidates=plan.candidates,

@@ -18,7 +18,7 @@ from .convert import ConversionOptions
 if TYPE_CHECKING:
     from . import pipeline
 
-SEARCH_FILE, PROGRESS_FILE = "search.json", "progress.pt"
+SEARCH_FILE, RANKS_FILE, PROGRESS_FILE = "search.json", "ranks.json", "progress.pt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,8 @@ class WorkFolder:
 
     def save_statistics(self, layer_idx: int, statistics: LayerStatistics) -> None:
         """One layer's calibration statistics, as the split search's pass leaves them for the conversion's."""
-        torch.save(dataclasses.asdict(statistics), self.statistics / f"layer-{layer_idx:05d}.pt")
+        path = self.statistics / f"layer-{layer_idx:05d}.pt"
+        replace_atomically(path, lambda partial: torch.save(dataclasses.asdict(statistics), partial))
 
     def load_statistics(self, layer_idx: int) -> LayerStatistics:
         return LayerStatistics(**torch.load(self.statistics / f"layer-{layer_idx:05d}.pt", weights_only=True))
@@ -54,6 +55,14 @@ class WorkFolder:
     def save_search(self, options: ConversionOptions, candidates: list[dict]) -> None:
         text = json.dumps({"options": dataclasses.asdict(options), "candidates": candidates}, indent=2)
         replace_atomically(self.folder / SEARCH_FILE, lambda path: path.write_text(text))
+
+    def saved_ranks(self) -> list[int] | None:
+        """Each layer's latent width, once the pass has set them."""
+        path = self.folder / RANKS_FILE
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def save_ranks(self, ranks: list[int]) -> None:
+        replace_atomically(self.folder / RANKS_FILE, lambda path: path.write_text(json.dumps(ranks)))
 
     def saved_progress(self) -> dict | None:
         """What `save_progress` wrote after the last finished layer."""
