@@ -149,6 +149,14 @@ class EGMLAConfig(PreTrainedConfig):
             the model is moved or loaded; each forward moves over only the rows of the distinct tokens it sees.
             Also a load-time option: `from_pretrained(folder, offload_gate_tables=True)`.
         kv_latent_norm: RMSNorm on the latent before caching (DeepSeek's `kv_a_layernorm`).
+        qk_norm: the attention of a source whose query and key heads are RMS-normed before RoPE (Qwen3, Gemma 3).
+            The query is the source's: `q_proj` (`qk_norm_head_dim` per head), its norm `q_norm`, then a per-head
+            map `q_head_proj` to the `[nope ; rope]` query. Each key's norm is one scale per token and key head,
+            `1 / rms` of the source's key (`k_norm_proj`), taken when the token is written and cached beside its
+            rope key (`qk_norm_key_heads` values per token); every score of that key is multiplied by it.
+        qk_norm_head_dim: the width each query and key norm acts over (the source's head_dim; with `qk_norm`).
+        qk_norm_key_heads: the key heads whose scales are cached (the source's; each serves an equal group of
+            `num_key_value_heads`; with `qk_norm`).
         attention_bias: biases on the query projection (`q_proj`, or `q_a_proj`), the latent and rope key
             (`kv_a_proj_with_mqa`) and the output (`o_proj`), as DeepSeek-V3's; a Qwen2 source's q/k/v biases are
             converted into them.
@@ -190,6 +198,9 @@ class EGMLAConfig(PreTrainedConfig):
     gate_layers_per_table: int = validated_field(positive, default=1)
     offload_gate_tables: bool = False
     kv_latent_norm: bool = True
+    qk_norm: bool = False
+    qk_norm_head_dim: int | None = validated_field(positive_or_none, default=None)
+    qk_norm_key_heads: int | None = validated_field(positive_or_none, default=None)
     attention_bias: bool = False
     hidden_act: str = validated_field(activation, default="silu")
     max_position_embeddings: int = validated_field(positive, default=2048)
@@ -258,9 +269,16 @@ class EGMLAConfig(PreTrainedConfig):
     def layer_kv_lora_rank(self, layer_idx: int) -> int:
         return self.kv_lora_rank[layer_idx] if isinstance(self.kv_lora_rank, list) else self.kv_lora_rank
 
+    @property
+    def key_scale_width(self) -> int:
+        """Key-norm scales cached per token per layer (`qk_norm`: one per key head of the source; else 0)."""
+        return self.qk_norm_key_heads if self.qk_norm else 0
+
     def kv_cache_values_per_token(self) -> int:
-        """Cached values per token over all layers: latents plus rope keys (token ids and positions not counted)."""
-        return sum(self.layer_kv_lora_rank(i) + self.rope_key_width for i in range(self.num_hidden_layers))
+        """Cached values per token over all layers: latents, rope keys and key-norm scales (token ids and positions
+        not counted)."""
+        width = self.rope_key_width + self.key_scale_width
+        return sum(self.layer_kv_lora_rank(i) + width for i in range(self.num_hidden_layers))
 
     def validate_architecture(self):
         """The rules between fields (each field's own rule is declared on it); every error names its fields."""
@@ -293,6 +311,18 @@ class EGMLAConfig(PreTrainedConfig):
             ),
             f"`rope_frequency_indices` must hold, for each of the {layers} layers and {self.rope_key_heads} rope keys, "
             f"{pairs} frequency indices in [0, rope_frequency_dim // 2 = {frequencies // 2}), got {indices}.",
+        )
+        require(
+            not self.qk_norm
+            or (
+                self.qk_norm_head_dim is not None
+                and self.qk_norm_key_heads is not None
+                and self.num_key_value_heads % self.qk_norm_key_heads == 0
+                and self.q_lora_rank is None
+            ),
+            "`qk_norm` needs `qk_norm_head_dim` and `qk_norm_key_heads` (dividing `num_key_value_heads` "
+            f"{self.num_key_value_heads}) and no `q_lora_rank`; got {self.qk_norm_head_dim}, {self.qk_norm_key_heads}, "
+            f"{self.q_lora_rank}.",
         )
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)

@@ -212,6 +212,24 @@ class EGMLAGateProjection(nn.Linear):
     """W^{UE}: gate embedding -> gate. It starts at zero, so a fresh gate 1 + W^{UE} e is the identity."""
 
 
+class EGMLAHeadProjection(nn.Module):
+    """One linear map per head, [H, out, in] (`qk_norm`: each normed query head to its `[nope ; rope]` query)."""
+
+    def __init__(self, heads: int, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads, out_features, in_features))
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        """[B, S, H, in] -> [B, H, S, out]."""
+        return torch.einsum("bshi,hoi->bhso", states, self.weight)
+
+
+def key_norm_scale(keys: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / rms of each key head [B, S, Hn, d] -> [B, S, Hn], in float32: what the source's key norm multiplies it
+    by, before its weight."""
+    return torch.rsqrt(keys.float().pow(2).mean(-1) + eps)
+
+
 # Cached positions a re-expanding decode step expands at a time: [B, 128, Hkv*(dk+dv)] stays in a CPU core's cache.
 DECODE_BLOCK = 128
 
@@ -608,6 +626,7 @@ class EGMLALayout(NamedTuple):
     gate_enabled: bool
     gate_norm: bool  # an RMS norm follows the gate
     norm_eps: float
+    key_norm_heads: int  # qk_norm: the key heads whose cached scales multiply the scores (0: no key norm)
     # Decoding can fold W^{UK} into the query and attend over the cached latent itself (MQA): no gate sits between
     # the cache and the keys and no rebuilt key must be turned.
     absorbs: bool
@@ -630,6 +649,7 @@ class EGMLALayout(NamedTuple):
             gate_enabled=config.gate_enabled,
             gate_norm=config.gate_enabled and config.gate_norm == "rms",
             norm_eps=config.rms_norm_eps,
+            key_norm_heads=config.key_scale_width,
             absorbs=config.absorbs,
         )
 
@@ -655,7 +675,7 @@ class EGMLALayout(NamedTuple):
 # (None, None) to leave the step to the reference path (e.g. a `version` it does not know). Bump the version
 # whenever EGMLAStep or EGMLALayout changes.
 LATENT_DECODE_PREFIX = "egmla_fused"
-LATENT_DECODE_VERSION = 6  # 6: the step carries the layer's layout and every weight a decode path reads
+LATENT_DECODE_VERSION = 7  # 7: the step carries the key-norm scales (`qk_norm`)
 
 
 class EGMLAStep(NamedTuple):
@@ -672,6 +692,7 @@ class EGMLAStep(NamedTuple):
     gate_rows: EGMLAGateRows | None  # for gate_position="kv": the gate-table rows of the context's T tokens
     key_rotary: tuple[torch.Tensor, torch.Tensor] | None  # "exact" rope: cos, sin [B, 1, T, dr] of cached positions
     cached_rows: torch.Tensor | None = None  # [B, 1, T, r + Hr*dr]: latent and rope key side by side, as cached
+    key_scale: torch.Tensor | None = None  # qk_norm: [B, 1, T, Hn] each cached key's norm scale, per key head
     # Decoding: the weights the decode multiplies the cache by, the effective ones under an adapter (`kv_weights`).
     kv_weight: torch.Tensor | None = None  # W^{UKV} [Hkv, dk+dv, r]
     gate_weight: torch.Tensor | None = None  # gate on K/V: W^{UE} [Hkv, dk+dv, de]
@@ -717,6 +738,7 @@ def build_step(
     key_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     cached_rows: torch.Tensor | None = None,
     decoding: bool = False,
+    key_scale: torch.Tensor | None = None,
 ) -> EGMLAStep:
     """The layer's step; decoding, with the weights the decode paths read, made here once per forward (the
     absorbed ones only where the layer absorbs)."""
@@ -730,7 +752,8 @@ def build_step(
             weights["uk_weight"], weights["uv_weight"] = absorbed_weights(weights["kv_weight"], layout)
     return EGMLAStep(
         version=LATENT_DECODE_VERSION, layout=layout, q_nope=q_nope, q_rope=q_rope, latent=latent,
-        rope_key=rope_key, gate_rows=gate_rows, key_rotary=key_rotary, cached_rows=cached_rows, **weights,
+        rope_key=rope_key, gate_rows=gate_rows, key_rotary=key_rotary, cached_rows=cached_rows, key_scale=key_scale,
+        **weights,
     )  # fmt: skip
 
 
@@ -774,12 +797,8 @@ class EGMLAAttention(nn.Module):
         self.is_causal = True
         self.num_key_value_groups = layout.num_key_value_groups  # query heads per key head (GQA)
 
-        if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.qk_head_dim, bias=config.attention_bias)
-        else:
-            self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=config.attention_bias)
-            self.q_a_layernorm = EGMLARMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.key_norm_heads = layout.key_norm_heads
+        self.add_query_projections(config)
 
         self.kv_a_proj_with_mqa = nn.Linear(
             config.hidden_size, self.kv_lora_rank + self.rope_key_width, bias=config.attention_bias
@@ -804,6 +823,23 @@ class EGMLAAttention(nn.Module):
             if config.gate_norm == "rms":
                 self.gate_norm = EGMLARMSNorm(gated_width, eps=config.rms_norm_eps)
 
+    def add_query_projections(self, config: EGMLAConfig) -> None:
+        """The query's modules: one projection, a low-rank pair (`q_lora_rank`), or with `qk_norm` the source's
+        projection and per-head norm followed by a map per head to `[nope ; rope]`, and the source's key projection,
+        of which only each head's norm is kept (cached as a scale per token)."""
+        if config.qk_norm:
+            norm_dim = config.qk_norm_head_dim
+            self.q_proj = nn.Linear(config.hidden_size, self.num_heads * norm_dim, bias=config.attention_bias)
+            self.q_norm = EGMLARMSNorm(norm_dim, eps=config.rms_norm_eps)
+            self.q_head_proj = EGMLAHeadProjection(self.num_heads, self.qk_head_dim, norm_dim)
+            self.k_norm_proj = nn.Linear(config.hidden_size, self.key_norm_heads * norm_dim, bias=config.attention_bias)
+        elif config.q_lora_rank is None:
+            self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.qk_head_dim, bias=config.attention_bias)
+        else:
+            self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=config.attention_bias)
+            self.q_a_layernorm = EGMLARMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+
     def select_rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, S, F] -> [B, 1, S, dr] (every head alike) or [B, Hr, S, dr] (per rope key head)."""
         if self.rope_dims is None:
@@ -814,9 +850,22 @@ class EGMLAAttention(nn.Module):
         return cos[..., dims].permute(0, 2, 1, 3), sin[..., dims].permute(0, 2, 1, 3)
 
     def project_query(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [B, S, D] -> the query [B, H, S, dn+dr], before RoPE."""
+        batch_size, seq_length = hidden_states.shape[:-1]
+        if self.key_norm_heads:
+            query = self.q_proj(hidden_states).view(batch_size, seq_length, self.num_heads, -1)
+            return self.q_head_proj(self.q_norm(query))
         if self.q_lora_rank is None:
-            return self.q_proj(hidden_states)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            query = self.q_proj(hidden_states)
+        else:
+            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        return query.view(batch_size, seq_length, self.num_heads, self.qk_head_dim).transpose(1, 2)
+
+    def key_scale(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[B, S, D] -> [B, 1, S, Hn]: each new key's norm scale, cached beside its rope key."""
+        batch_size, seq_length = hidden_states.shape[:-1]
+        keys = self.k_norm_proj(hidden_states).view(batch_size, seq_length, self.key_norm_heads, -1)
+        return key_norm_scale(keys, self.config.rms_norm_eps).view(batch_size, 1, seq_length, -1)
 
     def gate(self, states: torch.Tensor, gate_rows: EGMLAGateRows) -> torch.Tensor:
         """states [B, T, W] * (1 + W^{UE} e) [B, T, W], the product computed once per row and gathered."""
@@ -837,8 +886,8 @@ class EGMLAAttention(nn.Module):
         key_position_embeddings: cos, sin [B, T, F] at every cached token's position ("exact" rope mode)."""
         batch_size, seq_length = hidden_states.shape[:-1]
 
-        query = self.project_query(hidden_states).view(batch_size, seq_length, self.num_heads, self.qk_head_dim)
-        q_nope, q_rope = query.transpose(1, 2).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        query = self.project_query(hidden_states)
+        q_nope, q_rope = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
         latent, rope_key = self.kv_a_proj_with_mqa(hidden_states).split(
             [self.kv_lora_rank, self.rope_key_width], dim=-1
@@ -861,17 +910,22 @@ class EGMLAAttention(nn.Module):
         if self.rope_mode == "exact":
             key_rotary = self.select_rotary(*(key_position_embeddings or position_embeddings))
 
+        if self.key_norm_heads:  # cached beside the rope key: [B, 1, S, Hr*dr + Hn]
+            rope_key = torch.cat([rope_key, self.key_scale(hidden_states).to(rope_key.dtype)], dim=-1)
         cached_rows = None
         if cache is not None:
-            latent, rope_key = cache.update(latent, rope_key, self.layer_idx)  # [B, 1, T, r], [B, 1, T, Hr*dr]
+            latent, rope_key = cache.update(latent, rope_key, self.layer_idx)  # [B, 1, T, r], [B, 1, T, Hr*dr (+Hn)]
             cached_rows = getattr(cache.layers[self.layer_idx], "cached_rows", lambda: None)()
+        key_scale = None
+        if self.key_norm_heads:
+            rope_key, key_scale = rope_key.split([self.rope_key_width, self.key_norm_heads], dim=-1)
         # By shape, not by the cache's length (a tensor in a static cache: comparing it would sync and break graphs).
         # Several new tokens without a mask are a prompt at offset 0 (a static cache's unwritten slots follow it):
         # SDPA's top-left causal mask over the expanded heads is exact there, the decode paths' bottom-right is not.
         decoding = cache is not None and not self.training and latent.shape[2] > seq_length
         decoding = decoding and (seq_length == 1 or attention_mask is not None)
         step = build_step(self, q_nope, q_rope, latent, rope_key, gate_rows=gate_rows, key_rotary=key_rotary,
-                          cached_rows=cached_rows, decoding=decoding)  # fmt: skip
+                          cached_rows=cached_rows, decoding=decoding, key_scale=key_scale)  # fmt: skip
         if decoding:
             attn_output, attn_weights = decode_attention(self, step, attention_mask, **kwargs)
         else:
@@ -892,11 +946,32 @@ def expand_kv(
     rope_key: torch.Tensor,
     gate_rows: EGMLAGateRows | None,
     key_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """latent [B, 1, T, r], rope_key [B, 1, T, Hr*dr] -> key [B, Hkv, T, dn+dr], value [B, Hkv, T, dv].
 
     In "exact" mode the rope dims come from the latent too, rotated by `key_rotary` (cos, sin of every cached
-    token's position, [B, 1, T, dr])."""
+    token's position, [B, 1, T, dr]); with `key_scale` [B, 1, T, Hn] (`qk_norm`) each key is multiplied by its
+    norm's scale."""
+    key, value = expand_keys_and_values(module, latent, rope_key, gate_rows, key_rotary)
+    if key_scale is not None:
+        key = key * key_scale_per_head(key_scale, key.shape[1]).unsqueeze(-1).to(key.dtype)
+    return key, value
+
+
+def key_scale_per_head(key_scale: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, 1, T, Hn] -> [B, heads, T]: each of `heads` takes its key-norm head's scale."""
+    return key_scale[:, 0].transpose(1, 2).repeat_interleave(heads // key_scale.shape[-1], dim=1)
+
+
+def expand_keys_and_values(
+    module: "EGMLAAttention",
+    latent: torch.Tensor,
+    rope_key: torch.Tensor,
+    gate_rows: EGMLAGateRows | None,
+    key_rotary: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`expand_kv` before the key-norm scales."""
     layout = module.layout
     batch_size, _, seq_length, _ = latent.shape
     kv = module.kv_b_proj(latent[:, 0])  # [B, T, Hkv*(dk+dv)], dk = rebuilt key dims; called: adapters act
@@ -921,7 +996,7 @@ def expanded_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The configured attention function (sdpa, eager, ...) over per-head keys and values expanded from the
     latent: prefill, training, and decoding that cannot absorb."""
-    key, value = expand_kv(module, step.latent, step.rope_key, step.gate_rows, step.key_rotary)
+    key, value = expand_kv(module, step.latent, step.rope_key, step.gate_rows, step.key_rotary, step.key_scale)
     implementation = module.config._attn_implementation
     attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
     padding = key.shape[-1] - value.shape[-1]
@@ -960,8 +1035,9 @@ def decode_attention(
     need_weights = implementation == "eager" or bool(kwargs.get("output_attentions"))
     if step.layout.absorbs:
         return absorbed_attention(step, attention_mask, need_weights)
-    # The attention weights where asked for; and the expansion calls the gate norm, which an offload hook holds.
-    if need_weights or (step.layout.kv_norm and step.norm_weight is None):
+    # The attention weights where asked for; the expansion calls the gate norm, which an offload hook holds; and it
+    # scales the keys by their norms (`qk_norm`), which the blocked decode does not.
+    if need_weights or (step.layout.kv_norm and step.norm_weight is None) or step.key_scale is not None:
         return expanded_attention(module, step, attention_mask, **kwargs)
     return blocked_attention(step, attention_mask)
 
@@ -979,11 +1055,13 @@ def absorbed_attention(
     batch_size, heads, query_length, _ = step.q_nope.shape
     q_nope = step.q_nope.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
     q_latent = torch.bmm(q_nope, step.uk_weight).view(heads, batch_size, query_length, -1).transpose(0, 1)
+    # One SDPA call over the cached rows where no key-norm scale multiplies the scores.
     rows = step.cached_rows if step.rope_key.shape[-1] and not need_weights and layout.rope_key_heads == 1 else None
-    if rows is not None:
+    if rows is not None and step.key_scale is None:
         out_latent, probs = latent_sdpa(q_latent, step.q_rope, rows, attention_mask, layout.scaling), None
     else:
-        out_latent, probs = latent_attention(layout, q_latent, step.q_rope, step.latent, step.rope_key, attention_mask)
+        keys = (step.latent, step.rope_key, step.key_scale)
+        out_latent, probs = latent_attention(layout, q_latent, step.q_rope, keys, attention_mask)
     out_latent = out_latent.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
     output = torch.bmm(out_latent, step.uv_weight)  # [H, B*S, dv]
     return output.view(heads, batch_size, query_length, -1).permute(1, 2, 0, 3), probs
@@ -993,12 +1071,14 @@ def latent_attention(
     layout: EGMLALayout,
     q_latent: torch.Tensor,
     q_rope: torch.Tensor,
-    latent: torch.Tensor,
-    rope_key: torch.Tensor,
+    keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     attention_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax of q_latent . latent + q_rope . rope key over the cache: q_latent [B, H, S, r] -> the weighted
-    sum of latents [B, H, S, r] and the weights [B, H, S, T] (no dropout: a layer decodes in eval mode only)."""
+    """Softmax of (q_latent . latent + q_rope . rope key) x key scale over the cache (`keys`: the latent
+    [B, 1, T, r], the rope key [B, 1, T, Hr*dr], the key-norm scales [B, 1, T, Hn] or None): q_latent [B, H, S, r]
+    -> the weighted sum of latents [B, H, S, r] and the weights [B, H, S, T] (no dropout: a layer decodes in eval
+    mode only)."""
+    latent, rope_key, key_scale = keys
     batch_size, heads, query_length, rank = q_latent.shape
     key_length = latent.shape[2]
     latent = latent[:, 0]  # [B, T, r], shared by every head
@@ -1008,7 +1088,10 @@ def latent_attention(
     # The query heads fold into the rows of one batched product (no head copies the latent), the rope scores
     # added inside it.
     scores = torch.baddbmm(rope_scores.view(batch_size, heads * query_length, key_length), q_latent, latent.mT)
-    scores = mask_scores(scores.view(batch_size, heads, query_length, key_length), attention_mask)
+    scores = scores.view(batch_size, heads, query_length, key_length)
+    if key_scale is not None:
+        scores = scores * key_scale_per_head(key_scale, heads).unsqueeze(2).to(scores.dtype)
+    scores = mask_scores(scores, attention_mask)
     probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
     out_latent = torch.bmm(probs.view(batch_size, heads * query_length, key_length), latent)  # [B, H*S, r]
     return out_latent.view(batch_size, heads, query_length, rank), probs
@@ -1295,6 +1378,8 @@ class EGMLAPreTrainedModel(PreTrainedModel):
         # Leaf modules only: as remote code, modules without parameters of their own are skipped.
         if isinstance(module, EGMLAGateProjection):
             init.zeros_(module.weight)
+        elif isinstance(module, EGMLAHeadProjection):
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, EGMLAGateTable):
             init.normal_(module.weight, mean=0.0, std=1.0)
         else:

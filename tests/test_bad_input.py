@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel
 
 from egmla import EGMLAConfig, EGMLAForCausalLM
 from egmla.cli import main
@@ -35,7 +35,7 @@ def mistral_with_a_short_window(tmp: Path) -> tuple[Path, list[str]]:
 
 
 def a_qk_norm_model(tmp: Path) -> tuple[Path, list[str]]:
-    Qwen3ForCausalLM(Qwen3Config(**tiny_values(vocab_size=512))).save_pretrained(tmp / "src")
+    Gemma3ForCausalLM(Gemma3TextConfig(**tiny_values(vocab_size=512))).save_pretrained(tmp / "src")
     return with_tokenizer(tmp / "src"), FAST
 
 
@@ -95,7 +95,7 @@ def nan_weights(tmp: Path) -> tuple[Path, list[str]]:
 CONVERSION_ROWS = [
     ("a folder that is not a Llama", not_a_llama, "'gpt2' checkpoint; only Llama"),
     ("a sliding window shorter than the context", mistral_with_a_short_window, "sliding-window attention"),
-    ("a QK-norm model (Qwen3, Gemma3)", a_qk_norm_model, "'qwen3' checkpoint.*QK-norm"),
+    ("a QK-norm model not carried yet (Gemma 3)", a_qk_norm_model, "'gemma3_text' checkpoint.*QK-norm"),
     ("missing weights", missing_weights, "Could not read the weights.*model.safetensors"),
     ("corrupt weights", corrupt_weights, "Could not read the weights.*re-download"),
     ("a tokenizer missing", missing_tokenizer, "Could not load a tokenizer.*tokenizer files"),

@@ -189,6 +189,7 @@ def test_cache_holds_exactly_the_latent_rope_key_ids_and_positions(mode):
     # Nothing else: every layer holds exactly [B,1,T,r] and [B,1,T,Hr*dr] (0 wide in "exact" rope mode), plus the
     # ids and the positions [B,T] once, in layer 0, where the mode needs them.
     rope_width = 0 if config.rope_mode == "exact" else config.rope_key_heads * config.qk_rope_head_dim
+    rope_width += config.key_scale_width  # qk_norm: each key head's norm scale, beside the rope key
     per_token = {"token_ids"} if ids_bytes else set()
     per_token |= {"positions"} if position_bytes else set()
     for index, layer in enumerate(cache.layers):

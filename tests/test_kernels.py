@@ -22,7 +22,7 @@ from egmla.modeling_egmla import (
     expand_kv,
     expanded_attention,
 )
-from tests.utils import FUSED, KERNEL, tiny_config, tiny_model
+from tests.utils import FUSED, KERNEL, QK_NORM, tiny_config, tiny_model
 
 # Only the tests that run Triton need it: the compiled and reference paths run without it.
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -502,3 +502,19 @@ def test_a_compiled_backend_asked_for_by_name_raises_its_error_and_only_the_auto
     with caplog.at_level(logging.WARNING, logger="egmla.kernels.dispatch"):
         assert torch.equal(model.generate(prompts, max_new_tokens=3, do_sample=False), expected)
     assert caplog.text.count("torch.compile failed") == 1  # said once, then the reference path without retrying
+
+
+@pytest.mark.parametrize("gate_position", ["kv", "latent"])
+def test_qk_norm_layers_decode_by_the_reference_path_under_egmla_fused(monkeypatch, caplog, gate_position):
+    """The kernels do not read the key-norm scales: a `qk_norm` model's decode steps go to the reference path,
+    which says so once, and generate its tokens."""
+    model = tiny_model(seed=1, base=FUSED, gate_position=gate_position, qk_norm=True, **QK_NORM)
+    prompts = torch.randint(1, 80, (2, 6), generator=torch.Generator().manual_seed(3))
+    model.set_attn_implementation("eager")
+    expected = model.generate(prompts, max_new_tokens=5, do_sample=False)
+    monkeypatch.setattr(dispatch, "kernel", lambda *args: pytest.fail("a kernel ran on a qk_norm step"))
+    monkeypatch.setattr(dispatch, "_logged", set())
+    model.set_attn_implementation("egmla_fused_compiled")
+    with caplog.at_level(logging.WARNING, logger="egmla.kernels.dispatch"):
+        assert torch.equal(model.generate(prompts, max_new_tokens=5, do_sample=False), expected)
+    assert "do not read the key-norm scales" in caplog.text

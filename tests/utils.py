@@ -15,6 +15,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from egmla import EGMLACache, EGMLAConfig, EGMLAForCausalLM
@@ -26,6 +28,7 @@ TINYSTORIES = SHARED / "assets" / "text" / "tinystories_train_2MiB.txt"
 if not TINYSTORIES.exists():
     TINYSTORIES = Path(__file__).resolve().parents[1] / "egmla" / "data" / "tinystories_excerpt.txt"
 
+QK_NORM = {"qk_norm_head_dim": 12, "qk_norm_key_heads": 2}
 # The cache modes: gate off (plain MLA, both decode paths), gate on the up-projected K/V, gate on the latent;
 # each with the decoupled rope key, and with the RoPE-exact latent.
 MODES = {
@@ -37,6 +40,10 @@ MODES = {
     "exact": {"gate_embedding_dim": 0, "gate_position": "kv", "rope_mode": "exact"},
     "exact-gate-kv": {"gate_embedding_dim": 16, "gate_position": "kv", "rope_mode": "exact"},
     "exact-gate-latent": {"gate_embedding_dim": 16, "gate_position": "latent", "rope_mode": "exact"},
+    # QK-norm (Qwen3's): the source's query normed per head, each key's norm cached as a scale per key head; the
+    # absorbed decode, and the rebuilding one.
+    "qk-norm": {"gate_embedding_dim": 0, "gate_position": "latent", "qk_norm": True, **QK_NORM},
+    "qk-norm-gate-kv": {"gate_embedding_dim": 16, "gate_position": "kv", "qk_norm": True, **QK_NORM},
 }
 
 TINY = {
@@ -88,13 +95,16 @@ def tiny_config(base: dict = TINY, **overrides) -> EGMLAConfig:
 
 
 def tiny_model(seed: int = 0, base: dict = TINY, gate_std: float = 0.2, **overrides) -> EGMLAForCausalLM:
-    """A random model whose gate really acts (its zero-initialised up-projection is randomised)."""
+    """A random model whose gate really acts (its zero-initialised up-projection is randomised), as its query norm
+    (`qk_norm`)."""
     torch.manual_seed(seed)
     model = EGMLAForCausalLM(tiny_config(base, **overrides)).eval()
     with torch.no_grad():
         for layer in model.model.layers:
             if layer.self_attn.gate_embedding_proj is not None:
                 layer.self_attn.gate_embedding_proj.weight.normal_(std=gate_std)
+            if layer.self_attn.key_norm_heads:  # a query norm that is not the identity
+                layer.self_attn.q_norm.weight.normal_(mean=1.0, std=0.3)
     return model
 
 
@@ -128,12 +138,14 @@ SOURCE_FAMILIES = {
     "llama-bias": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
 
 
 def tiny_source(family: str, rope_parameters: dict | None = None, **overrides) -> PreTrainedModel:
     """A random GQA model of a convertible family, shaped as `tiny_llama`: "llama", "llama-bias" (attention_bias),
-    "mistral" or "qwen2" (q/k/v biases); biases drawn at random, not left at their zero initialization."""
+    "mistral", "qwen2" (q/k/v biases) or "qwen3" (QK-norm); biases and QK-norm weights drawn at random, not left at
+    their initialization."""
     config_class, model_class = SOURCE_FAMILIES[family]
     values = tiny_values(rope_parameters, **({"attention_bias": True} if family == "llama-bias" else {}), **overrides)
     torch.manual_seed(0)
@@ -142,6 +154,10 @@ def tiny_source(family: str, rope_parameters: dict | None = None, **overrides) -
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_(std=0.5)
+        for layer in model.model.layers:
+            for norm in (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)):
+                if norm is not None:
+                    norm.weight.normal_(mean=1.0, std=0.3)
     return model
 
 
@@ -187,7 +203,7 @@ FAST = ["--kv-lora-rank", "16", "--rope-split", "exact", "--reconstruction-steps
 
 
 # The stories260K tokenizer's size in each family's folder: Qwen2's tokenizer class adds <|endoftext|> (id 512).
-TOKENIZER_SIZE = {"llama": 512, "llama-bias": 512, "mistral": 512, "qwen2": 513}
+TOKENIZER_SIZE = {"llama": 512, "llama-bias": 512, "mistral": 512, "qwen2": 513, "qwen3": 512}
 
 
 def with_tokenizer(folder: Path) -> Path:

@@ -40,6 +40,15 @@ def pair_norms(states: torch.Tensor, heads: int) -> torch.Tensor:
     return torch.hypot(states[:, :, 0], states[:, :, 1]).sum(dim=0)
 
 
+def normed_heads(norm: torch.nn.Module | None, states: torch.Tensor, heads: int) -> torch.Tensor:
+    """A QK-norm source's per-head norm of `states` [N, heads*hd] in float32 (none: `states` as they are)."""
+    if norm is None:
+        return states
+    shaped = states.view(len(states), heads, -1)
+    normed = torch.nn.functional.rms_norm(shaped, shaped.shape[-1:], norm.weight.float(), norm.variance_epsilon)
+    return normed.view(len(states), -1)
+
+
 def float_projection(linear: torch.nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
     """A projection of float32 inputs in float32 whatever the weights' dtype (statistics are kept in float32/64)."""
     bias = None if linear.bias is None else linear.bias.float()
@@ -63,8 +72,13 @@ class StatisticsRecorder:
         self.covariance += (inputs.T.double() @ inputs.double()).cpu()
         self.sums += inputs.double().sum(0).cpu()
         # The projections by their weights: calling q_proj here would re-enter this hook.
-        queries = float_projection(self.attention.q_proj, inputs)
-        keys = float_projection(self.attention.k_proj, inputs)
+        # The queries and keys RoPE turns: a QK-norm source's after their norms.
+        queries = normed_heads(
+            getattr(self.attention, "q_norm", None), float_projection(self.attention.q_proj, inputs), self.heads
+        )
+        keys = normed_heads(
+            getattr(self.attention, "k_norm", None), float_projection(self.attention.k_proj, inputs), self.key_heads
+        )
         self.query_norms += pair_norms(queries, self.heads).cpu()
         self.key_norms += pair_norms(keys, self.key_heads).cpu()
         self.count += inputs.shape[0]

@@ -209,14 +209,24 @@ def projection_rows(linear: torch.nn.Linear, heads: int, biased: bool) -> torch.
     return rows.view(heads, -1, rows.shape[1])
 
 
-def source_rows(attention: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def has_qk_norm(attention: torch.nn.Module) -> bool:
+    """Whether each query and key head is RMS-normed before RoPE (Qwen3)."""
+    return hasattr(attention, "q_norm") and hasattr(attention, "k_norm")
+
+
+def source_rows(attention: torch.nn.Module, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The source layer's query [Hq, hd, D'], key [Hkv, hd, D'] and value [Hkv, hd, D'] rows, D' = D + 1 with biases.
     The value bias column is left at zero: attention weights sum to 1, so it passes every head's softmax unchanged
-    and the student adds it after the output projection (`o_proj`'s bias) instead of spending the latent on it."""
+    and the student adds it after the output projection (`o_proj`'s bias) instead of spending the latent on it. A
+    QK-norm source's query and key rows carry their norm's weight (its scale per token and head is the student's
+    `qk_norm`), unless `raw`."""
     shape, biased = attention_shape(attention.config), has_bias(attention)
     query = projection_rows(attention.q_proj, shape.query_heads, biased)
     key = projection_rows(attention.k_proj, shape.key_heads, biased)
     value = projection_rows(attention.v_proj, shape.key_heads, biased)
+    if has_qk_norm(attention) and not raw:
+        query = query * attention.q_norm.weight.detach().double().cpu()[None, :, None]
+        key = key * attention.k_norm.weight.detach().double().cpu()[None, :, None]
     if biased:
         value[..., -1] = 0
     return query, key, value
@@ -273,6 +283,7 @@ def student_config(source: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConfi
     """The EG-MLA config of the converted model: the source's dims, the budget's cache, the gate at the identity."""
     config, options, budget = source.config, plan.options, plan.budget
     shape = attention_shape(config)
+    qk_norm = has_qk_norm(source.model.layers[0].self_attn)
     # A plan without layers (a budget alone: a shape, as the benchmarks build) turns its rope keys on the first pairs.
     frequencies = [layer.frequencies for layer in plan.layers] if options.rope_split != "exact" else None
     return EGMLAConfig(
@@ -295,6 +306,9 @@ def student_config(source: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConfi
         gate_position=options.gate_position,
         gate_norm="none",  # a norm after the gate would change the function: the fresh gate must be the identity
         kv_latent_norm=False,
+        qk_norm=qk_norm,
+        qk_norm_head_dim=shape.head_dim if qk_norm else None,
+        qk_norm_key_heads=shape.key_heads if qk_norm else None,
         hidden_act=config.hidden_act,
         max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.rms_norm_eps,
@@ -340,12 +354,30 @@ def layer_attention_state(
     queries = [
         torch.cat([nope_factor * split.nope_query[h], query_factor * split.rope_query[h]]) for h in range(query_heads)
     ]
-    state = linear_state(prefix + "q_proj.", torch.cat(queries), source.hidden_size)
+    if has_qk_norm(attention):
+        state = qk_norm_state(prefix, attention, queries)
+    else:
+        state = linear_state(prefix + "q_proj.", torch.cat(queries), source.hidden_size)
     state.update(linear_state(prefix + "kv_a_proj_with_mqa.", torch.cat([down, split.rope_key]), source.hidden_size))
     per_key_head = student_key_heads(source, options) == key_heads
     heads = up.unbind() if per_key_head else [up[h // group] for h in range(query_heads)]
     state[prefix + "kv_b_proj.weight"] = torch.cat(heads).float()
     state.update(output_state(prefix + "o_proj.", attention, group))
+    return state
+
+
+def qk_norm_state(prefix: str, attention: torch.nn.Module, queries: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A QK-norm source's student query: the source's own projection and norm, then per head the map from the normed
+    head to its `[nope ; rope]` rows (`queries`, made from the rows that carry the norm's weight: each is that map
+    times them, so the pseudo-inverse finds it exactly); and the source's key projection, whose norms are cached."""
+    raw_query, raw_key, _ = source_rows(attention, raw=True)
+    folded_query, _, _ = source_rows(attention)
+    hidden_size = attention.config.hidden_size
+    state = linear_state(prefix + "q_proj.", raw_query.flatten(0, 1), hidden_size)
+    state |= linear_state(prefix + "k_norm_proj.", raw_key.flatten(0, 1), hidden_size)
+    state[prefix + "q_norm.weight"] = attention.q_norm.weight.detach().float().cpu()
+    maps = [rows @ torch.linalg.pinv(folded) for rows, folded in zip(queries, folded_query, strict=True)]
+    state[prefix + "q_head_proj.weight"] = torch.stack(maps).float()
     return state
 
 

@@ -38,10 +38,11 @@ def egmla_cost(config: EGMLAConfig) -> DecodeCost:
     """An EG-MLA model's attention per cached token per layer (latent widths averaged over layers)."""
     heads = config.num_attention_heads
     values = config.kv_cache_values_per_token() / config.num_hidden_layers
-    rank = values - config.rope_key_width
+    rank = values - config.rope_key_width - config.key_scale_width
     rope_dims = 0 if config.rope_mode == "exact" else config.qk_rope_head_dim
+    scales = heads if config.qk_norm else 0  # each score multiplied by its key's norm scale
     if config.absorbs:
-        return DecodeCost("absorbed", values, heads * (rank + rope_dims + rank))
+        return DecodeCost("absorbed", values, heads * (rank + rope_dims + rank) + scales)
     rebuilt_key = config.qk_nope_head_dim + (config.qk_rope_head_dim if config.rope_mode == "exact" else 0)
     key_heads = config.num_key_value_heads  # keys are rebuilt once per key head
     if config.gate_enabled and config.gate_position == "kv":  # the values too, and the gate of every cached token
@@ -51,7 +52,7 @@ def egmla_cost(config: EGMLAConfig) -> DecodeCost:
     else:  # only keys: the weights sum the latents, W^{UV} is applied once per query, not per cached token
         rebuild = rank * key_heads * rebuilt_key
         attention = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + rank)
-    return DecodeCost("rebuilt", values, rebuild + attention)
+    return DecodeCost("rebuilt", values, rebuild + attention + scales)
 
 
 def cost_row(cost: DecodeCost, source: DecodeCost) -> dict:

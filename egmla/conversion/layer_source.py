@@ -13,6 +13,7 @@ from safetensors import safe_open
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from ..configuration_egmla import EGMLAConfig
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
@@ -20,7 +21,12 @@ from .calibration import StatisticsRecorder
 from .convert import ConversionPlan, LayerPlan, factorize_layer, layer_attention_state, layer_plan, student_config
 from .source import SOURCE_CLASSES
 
-SOURCE_LAYERS = {"llama": LlamaDecoderLayer, "mistral": MistralDecoderLayer, "qwen2": Qwen2DecoderLayer}
+SOURCE_LAYERS = {
+    "llama": LlamaDecoderLayer,
+    "mistral": MistralDecoderLayer,
+    "qwen2": Qwen2DecoderLayer,
+    "qwen3": Qwen3DecoderLayer,
+}
 
 
 class SourceFiles:

@@ -1,4 +1,4 @@
-"""The source of a conversion: a Llama-family checkpoint (Llama, Mistral, Qwen2) from an instance, a local folder, a
+"""The source of a conversion: a Llama-family checkpoint (Llama, Mistral, Qwen2, Qwen3) from an instance, a local folder, a
 Hub id or a GGUF file, and its tokenizer."""
 
 import copy
@@ -16,16 +16,25 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
 )
 
 from ..options import DTYPES, Placement
 
 # The families whose attention is Llama's up to biases and windows: the same modules under the same names.
-SOURCE_CLASSES = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
-ACCEPTED = "Llama, Mistral or Qwen2 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM; MHA or GQA)"
-# Families refused for a reason worth naming: a per-head norm after the key projection is not linear, so no
-# latent rebuilds it, and the query's norm cannot be folded into its weights.
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2", "olmo3", "cohere2")
+# Qwen3 is Llama's with each query and key head RMS-normed before RoPE (`qk_norm` in the student).
+SOURCE_CLASSES = {
+    "llama": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+ACCEPTED = (
+    "Llama, Mistral, Qwen2 or Qwen3 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; MHA "
+    "or GQA)"
+)
+# QK-norm families whose layers differ from Llama's beyond the norms, refused by name until they are carried.
+QK_NORM_FAMILIES = ("qwen3_moe", "gemma3", "gemma3_text", "olmo2", "olmo3", "cohere2")
 
 
 @dataclass(frozen=True)
@@ -135,9 +144,9 @@ def check_tokenizer(tokenizer: PreTrainedTokenizerBase, config, source: str | Pa
 def check_family(model_type: str, source: str | Path) -> None:
     if model_type in QK_NORM_FAMILIES:
         raise ValueError(
-            f"{source} is a {model_type!r} checkpoint, whose attention normalizes every query and key head (QK-norm) "
-            "after its projection: no low-rank latent rebuilds a normalized key, so it cannot be converted; "
-            f"sources must be {ACCEPTED}."
+            f"{source} is a {model_type!r} checkpoint: its query and key heads are normed (QK-norm), which egmla "
+            "converts for Qwen3, but its layers differ from Llama's beyond that (experts, extra norms, windows or "
+            f"an embedding scale) and are not carried yet; sources must be {ACCEPTED}."
         )
     if model_type not in SOURCE_CLASSES:
         raise ValueError(f"{source} is a {model_type!r} checkpoint; only {ACCEPTED} sources can be converted.")

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("reference", "triton", "compiled")
 IMPLEMENTATIONS = {"egmla_fused": "auto", "egmla_fused_triton": "triton", "egmla_fused_compiled": "compiled"}
-SUPPORTED_DECODE_VERSIONS = (6,)  # of the model's EGMLAStep (6: it carries the layer's layout and weights)
+SUPPORTED_DECODE_VERSIONS = (7,)  # of the model's EGMLAStep (7: it carries the key-norm scales)
 KERNEL_OVERRIDE = os.environ.get("EGMLA_KERNEL")  # read once: a process-wide choice, not a per-call switch
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _logged: set[str] = set()
@@ -176,6 +176,9 @@ def fused_decode(step, attention_mask: torch.Tensor | None, backend: str, by_nam
         return None
     if step.layout.kv_norm and step.norm_weight is None:
         log_once("egmla_fused: an offload hook holds the gate norm's weight, so decoding uses the reference path.")
+        return None
+    if step.key_scale is not None:
+        log_once("egmla_fused: the kernels do not read the key-norm scales (qk_norm), so decoding uses the reference.")
         return None
     if backend == "triton" and torch.is_grad_enabled() and (step.q_nope.requires_grad or step.latent.requires_grad):
         log_once(

@@ -39,6 +39,9 @@ class EGMLAConfig(PreTrainedConfig):
     gate_layers_per_table: int = 1
     offload_gate_tables: bool = False
     kv_latent_norm: bool = True
+    qk_norm: bool = False
+    qk_norm_head_dim: int | None = None
+    qk_norm_key_heads: int | None = None
     attention_bias: bool = False
     hidden_act: str = "silu"
     max_position_embeddings: int = 2048
@@ -142,5 +145,10 @@ def check_servable(config: EGMLAConfig) -> None:
         raise ValueError(f"egmla-vllm: rope_type {rope_type!r} is not served (served: {SERVED_ROPE_TYPES}).")
     if config.hidden_act != "silu":
         raise ValueError(f"egmla-vllm: hidden_act {config.hidden_act!r} is not served (only silu).")
+    if config.qk_norm:
+        raise ValueError(
+            "egmla-vllm: qk_norm (a Qwen3 source's query and key norms, the key's cached as a scale per token) is "
+            "not served yet; serve this model with transformers."
+        )
     if config.qk_nope_head_dim <= 0 and config.absorbs:
         raise ValueError("egmla-vllm: qk_nope_head_dim 0 leaves vLLM's absorbed MLA decode no key to absorb.")

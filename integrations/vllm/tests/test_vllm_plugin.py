@@ -206,6 +206,8 @@ def served(vllm_python, tmp_path_factory) -> dict[str, tuple[dict, EGMLAForCausa
     torch.manual_seed(0)
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     add("dynamic-rope", EGMLAForCausalLM(EGMLAConfig(**TINY, rope_parameters=dynamic)), PROMPTS)
+    qk_norm = {"qk_norm": True, "qk_norm_head_dim": 16, "qk_norm_key_heads": 2, "gate_embedding_dim": 0}
+    add("qk-norm", EGMLAForCausalLM(EGMLAConfig(**TINY, **qk_norm)), PROMPTS)
     results = run_vllm(vllm_python, requests, root)
     return {name: (results[name], *models[name]) for name in requests}
 
@@ -306,9 +308,11 @@ def test_a_converted_qwen2_in_bfloat16_keeps_its_biases(served):
     assert_logprobs_agree(student, prompts, result, tolerance=0.15)
 
 
-def test_an_unserved_rope_type_is_refused_by_name(served):
+def test_an_unserved_rope_type_and_qk_norm_are_refused_by_name(served):
     result, _, _ = served["dynamic-rope"]
     assert "rope_type 'dynamic' is not served" in result.get("error", "")
+    result, _, _ = served["qk-norm"]
+    assert "qk_norm (a Qwen3 source's query and key norms" in result.get("error", "")
 
 
 # Run in the vLLM venv: the plugin's PyTorch attention over a paged cache whose unused slots hold NaN (a reused block
