@@ -149,7 +149,7 @@ class EGMLAConfig(PreTrainedConfig):
             the model is moved or loaded; each forward moves over only the rows of the distinct tokens it sees.
             Also a load-time option: `from_pretrained(folder, offload_gate_tables=True)`.
         kv_latent_norm: RMSNorm on the latent before caching (DeepSeek's `kv_a_layernorm`).
-        qk_norm: the attention of a source whose query and key heads are RMS-normed before RoPE (Qwen3, Gemma 3).
+        qk_norm: the attention of a source whose query and key heads are RMS-normed before RoPE (Qwen3).
             The query is the source's: `q_proj` (`qk_norm_head_dim` per head), its norm `q_norm`, then a per-head
             map `q_head_proj` to the `[nope ; rope]` query. Each key's norm is one scale per token and key head,
             `1 / rms` of the source's key (`k_norm_proj`), taken when the token is written and cached beside its

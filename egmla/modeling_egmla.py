@@ -283,7 +283,7 @@ def look_up_gate_rows(tables: nn.ModuleList, token_ids: torch.Tensor) -> list[EG
 
 class EGMLALatentCacheLayer(DynamicLayer):
     """One layer's cache: the latent `keys` [B, 1, T, r] and the rotated rope keys `values` [B, 1, T, Hr*dr]
-    (width 0 with `rope_mode="exact"`).
+    (width 0 with `rope_mode="exact"`; with `qk_norm`, each key's norm scales follow them: Hr*dr + Hn wide).
 
     Both are kept as single-"head" 4-D tensors, as DeepSeek does, so every generic cache path (masks, offload,
     beam reorder) works unchanged. The layer that the model asks to (layer 0) also keeps, once per sequence, what
@@ -691,7 +691,7 @@ class EGMLAStep(NamedTuple):
     rope_key: torch.Tensor  # [B, 1, T, Hr*dr], rotated
     gate_rows: EGMLAGateRows | None  # for gate_position="kv": the gate-table rows of the context's T tokens
     key_rotary: tuple[torch.Tensor, torch.Tensor] | None  # "exact" rope: cos, sin [B, 1, T, dr] of cached positions
-    cached_rows: torch.Tensor | None = None  # [B, 1, T, r + Hr*dr]: latent and rope key side by side, as cached
+    cached_rows: torch.Tensor | None = None  # [B, 1, T, r + Hr*dr (+ Hn)]: latent and rope key side by side, as cached
     key_scale: torch.Tensor | None = None  # qk_norm: [B, 1, T, Hn] each cached key's norm scale, per key head
     # Decoding: the weights the decode multiplies the cache by, the effective ones under an adapter (`kv_weights`).
     kv_weight: torch.Tensor | None = None  # W^{UKV} [Hkv, dk+dv, r]
@@ -910,15 +910,15 @@ class EGMLAAttention(nn.Module):
         if self.rope_mode == "exact":
             key_rotary = self.select_rotary(*(key_position_embeddings or position_embeddings))
 
-        if self.key_norm_heads:  # cached beside the rope key: [B, 1, S, Hr*dr + Hn]
-            rope_key = torch.cat([rope_key, self.key_scale(hidden_states).to(rope_key.dtype)], dim=-1)
+        key_scale = self.key_scale(hidden_states).to(rope_key.dtype) if self.key_norm_heads else None  # [B, 1, S, Hn]
         cached_rows = None
         if cache is not None:
+            if key_scale is not None:  # cached beside the rope key: [B, 1, S, Hr*dr + Hn]
+                rope_key = torch.cat([rope_key, key_scale], dim=-1)
             latent, rope_key = cache.update(latent, rope_key, self.layer_idx)  # [B, 1, T, r], [B, 1, T, Hr*dr (+Hn)]
             cached_rows = getattr(cache.layers[self.layer_idx], "cached_rows", lambda: None)()
-        key_scale = None
-        if self.key_norm_heads:
-            rope_key, key_scale = rope_key.split([self.rope_key_width, self.key_norm_heads], dim=-1)
+            if key_scale is not None:
+                rope_key, key_scale = rope_key.split([self.rope_key_width, self.key_norm_heads], dim=-1)
         # By shape, not by the cache's length (a tensor in a static cache: comparing it would sync and break graphs).
         # Several new tokens without a mask are a prompt at offset 0 (a static cache's unwritten slots follow it):
         # SDPA's top-left causal mask over the expanded heads is exact there, the decode paths' bottom-right is not.
@@ -1035,9 +1035,8 @@ def decode_attention(
     need_weights = implementation == "eager" or bool(kwargs.get("output_attentions"))
     if step.layout.absorbs:
         return absorbed_attention(step, attention_mask, need_weights)
-    # The attention weights where asked for; the expansion calls the gate norm, which an offload hook holds; and it
-    # scales the keys by their norms (`qk_norm`), which the blocked decode does not.
-    if need_weights or (step.layout.kv_norm and step.norm_weight is None) or step.key_scale is not None:
+    # The attention weights where asked for; and the expansion calls the gate norm, which an offload hook holds.
+    if need_weights or (step.layout.kv_norm and step.norm_weight is None):
         return expanded_attention(module, step, attention_mask, **kwargs)
     return blocked_attention(step, attention_mask)
 
@@ -1133,6 +1132,9 @@ def blocked_attention(step: EGMLAStep, attention_mask: torch.Tensor | None) -> t
         gate = 1 + gate_product(step, step.gate_rows.rows)
     mask = key_head_mask(attention_mask, layout.num_key_value_groups, query_length, key_length, latent.device)
     width = layout.kv_lora_rank if uv_weight is not None else layout.v_head_dim  # of what the weights sum
+    key_scale = None  # qk_norm: [B, Hkv, 1, T] each cached key's norm scale
+    if step.key_scale is not None:
+        key_scale = key_scale_per_head(step.key_scale, layout.num_key_value_heads).unsqueeze(2).float()
     running = online_softmax_start(query, width)
     for start in range(0, key_length, DECODE_BLOCK):
         end = min(start + DECODE_BLOCK, key_length)
@@ -1140,6 +1142,8 @@ def blocked_attention(step: EGMLAStep, attention_mask: torch.Tensor | None) -> t
                            normed=not fold_norm)  # fmt: skip
         norm_scale = gate_norm_scale(kv, layout.norm_eps).unsqueeze(2) if fold_norm else None  # [B, Hkv, 1, t]
         scores, value = block_scores(step, query, kv, rope_scores, norm_scale, start, end)
+        if key_scale is not None:
+            scores = scores * key_scale[..., start:end]
         if mask is not None:  # (None: one new token, which sees every cached one)
             scores = mask_scores(scores, mask[..., start:end])
         running = online_softmax_block(running, scores, value, norm_scale)

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConf
 
 from egmla.cli import main
 from egmla.conversion import AttentionShape, ConversionOptions, attention_shape, convert_llama_to_egmla, load_llama
+from egmla.conversion.convert import resolve_budget
 from tests.utils import (
     SOURCE_FAMILIES,
     TOKENIZER_SIZE,
@@ -113,3 +114,30 @@ def test_egmla_convert_takes_a_qwen2_folder_without_head_dim(tmp_path):
     converted = AutoModelForCausalLM.from_pretrained(out)
     assert converted.config.v_head_dim == 8  # hidden_size 64 / 8 heads
     assert converted.config.kv_cache_values_per_token() / converted.config.num_hidden_layers == 16  # half of 2 x 2 x 8
+
+
+def test_a_biased_qwen3_source_keeps_its_nope_key_bias():
+    """Under QK-norm each key's own scale multiplies its NoPE bias's q . b, so the softmax no longer ignores it: the
+    split keeps the bias column for the latent to rebuild (a Llama's is dropped)."""
+    from egmla.conversion.calibration import calibrate
+    from egmla.conversion.convert import factorize_layer
+
+    calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
+    options = ConversionOptions(kv_lora_rank=48, rope_pairs=4, rope_split="per_head")
+    kept = {}
+    for family in ("llama-bias", "qwen3"):
+        teacher = tiny_source(family, **({"attention_bias": True} if family == "qwen3" else {}))
+        statistics = calibrate(teacher, calibration)[0]
+        inv_freq = teacher.model.rotary_emb.inv_freq.float()
+        budget = resolve_budget(teacher.config, options)
+        split, _ = factorize_layer(teacher.model.layers[0].self_attn, statistics, inv_freq, budget, options)
+        kept[family] = split.nope_key[..., -1].abs().max().item()
+    assert kept["llama-bias"] == 0 and kept["qwen3"] > 0.1
+
+
+def test_a_qwen3_budget_counts_its_key_norm_scales():
+    """A cut of the source's K/V values leaves room for the rope keys and one scale per key head beside the
+    latent."""
+    config = tiny_source("qwen3").config
+    budget = resolve_budget(config, ConversionOptions(kv_cut=0.5, rope_pairs=4, rope_split="shared"))
+    assert budget.values_per_token_per_layer == 32 and budget.kv_lora_rank == 32 - 8 - 2  # 2 key heads

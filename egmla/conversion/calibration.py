@@ -123,6 +123,14 @@ def fitted_context(config) -> int:
     return min(config.max_position_embeddings, FITTED_CONTEXT)
 
 
+def normed_weight(attention: torch.nn.Module, which: str) -> torch.Tensor:
+    """The query's or key's projection weight [D, heads*hd], each column times its QK-norm weight where the source
+    has one."""
+    weight = getattr(attention, f"{which}_proj").weight.detach().T
+    norm = getattr(attention, f"{which}_norm", None)
+    return weight if norm is None else weight * norm.weight.detach().repeat(weight.shape[1] // len(norm.weight))
+
+
 def weight_statistics(model: LlamaForCausalLM) -> list[LayerStatistics]:
     """Without calibration data the choices fall back to the weights alone: an identity covariance, pair norms of
     the projection weights, and distances up to the fitted length (the source's context, at most 512)."""
@@ -131,8 +139,8 @@ def weight_statistics(model: LlamaForCausalLM) -> list[LayerStatistics]:
     return [
         LayerStatistics(
             covariance=torch.eye(config.hidden_size, dtype=torch.float64),
-            query_pair_norms=pair_norms(layer.self_attn.q_proj.weight.detach().T, shape.query_heads),
-            key_pair_norms=pair_norms(layer.self_attn.k_proj.weight.detach().T, shape.key_heads),
+            query_pair_norms=pair_norms(normed_weight(layer.self_attn, "q"), shape.query_heads),
+            key_pair_norms=pair_norms(normed_weight(layer.self_attn, "k"), shape.key_heads),
             context_length=context_length,
             tokens=0,
         )

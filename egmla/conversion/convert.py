@@ -26,7 +26,7 @@ from ..options import check_fields, option
 from .calibration import LayerStatistics
 from .factorization import FACTORIZATIONS, RANK_ALLOCATIONS, Factorization, allocate_ranks, factorize, output_weights
 from .rope import PAIR_SELECTIONS, RopeSplit, llama_rope_parameters, split_rope
-from .source import attention_shape
+from .source import attention_shape, key_norm_heads
 
 ROPE_SPLITS = ("auto", "exact", "shared", "per_head")
 
@@ -125,7 +125,7 @@ def kv_lora_rank_for_cut(source_config, kv_cut: float, rope_values: int) -> int:
     if rank <= 0:
         raise ValueError(
             f"A {kv_cut:.2%} cut leaves {cut_values(source_config, kv_cut)} values per token per layer, no more "
-            f"than the {rope_values} values of the rope keys: lower rope_pairs or kv_cut."
+            f"than the {rope_values} values of the rope keys (and key-norm scales): lower rope_pairs or kv_cut."
         )
     return rank
 
@@ -148,7 +148,8 @@ def resolve_budget(source_config, options: ConversionOptions) -> Budget:
             f"{key_heads} KV heads), got {pairs}."
         )
     rope_key_heads = key_heads if per_head and not exact else 1
-    rope_values = 0 if exact else rope_key_heads * 2 * pairs
+    # Cached beside the latent: the rope keys, and a QK-norm source's key-norm scales (one per key head).
+    rope_values = (0 if exact else rope_key_heads * 2 * pairs) + key_norm_heads(source_config)
     rank = options.kv_lora_rank
     if rank is None:
         rank = kv_lora_rank_for_cut(source_config, options.kv_cut, rope_values)
@@ -257,9 +258,9 @@ def factorize_layer(
     query, key, value = source_rows(attention)
     statistics = input_statistics(attention, statistics)
     split = split_rope(query, key, statistics, inv_freq, options.rope_split, budget.rope_pairs, options.pair_selection)
-    if has_bias(attention) and options.rope_split != "exact":
+    if has_bias(attention) and options.rope_split != "exact" and not has_qk_norm(attention):
         # A NoPE key bias adds q . b to every key of a query alike, which the softmax ignores; in "exact" mode it
-        # is rotated with the key, so there it stays in the latent.
+        # is rotated with the key, and under QK-norm each key's scale multiplies it, so there it stays in the latent.
         split.nope_key[..., -1] = 0
     stacked = stacked_rows(split, value)
     if options.factorization == "weight":

@@ -52,13 +52,18 @@ class AttentionShape:
 
 
 def attention_shape(config) -> AttentionShape:
-    """The attention shape of a Llama, Mistral or Qwen2 config, each field at its family's default where the config
+    """The attention shape of a Llama, Mistral, Qwen2 or Qwen3 config, each field at its family's default where the config
     leaves it out: Qwen2's config has no `head_dim` (its attention uses hidden_size // num_attention_heads), Mistral's
     may hold None, and an absent `num_key_value_heads` means one per query head (MHA)."""
     query_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // query_heads
     key_heads = getattr(config, "num_key_value_heads", None) or query_heads
     return AttentionShape(head_dim, query_heads, key_heads)
+
+
+def key_norm_heads(config) -> int:
+    """The key-norm scales a converted layer caches per token: one per key head of a QK-norm source (Qwen3)."""
+    return attention_shape(config).key_heads if config.model_type == "qwen3" else 0
 
 
 def split_gguf(source: str | Path) -> tuple[str, str | None]:
