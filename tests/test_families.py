@@ -141,3 +141,17 @@ def test_a_qwen3_budget_counts_its_key_norm_scales():
     config = tiny_source("qwen3").config
     budget = resolve_budget(config, ConversionOptions(kv_cut=0.5, rope_pairs=4, rope_split="shared"))
     assert budget.values_per_token_per_layer == 32 and budget.kv_lora_rank == 32 - 8 - 2  # 2 key heads
+
+
+def test_egmla_convert_of_a_qwen3_folder_counts_its_key_norm_scales(tmp_path):
+    """The command on a Qwen3 folder (split search, layer-wise fit): its cut leaves room for the key-norm scales, and
+    the report's cache figure, measured on real caches, and its decode cost count them."""
+    folder = with_tokenizer(library_default_source("qwen3", tmp_path / "qwen3", 16, TOKENIZER_SIZE["qwen3"]))
+    out = tmp_path / "out"
+    main(["convert", str(folder), "--out", str(out), "--kv-cut", "0.5", "--reconstruction-steps", "5", "--steps", "0",
+          "--calibration-blocks", "4", "--block-size", "32", "--eval-documents", "2"])  # fmt: skip
+    converted = AutoModelForCausalLM.from_pretrained(out)
+    assert converted.config.qk_norm and converted.config.qk_norm_key_heads == 2
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert report["kv"]["source"] == 2 * 2 * 16 and report["kv"]["converted"] == 32  # half, the 2 scales included
+    assert report["decode"]["arithmetic"]["values_per_token_per_layer"] == 32
