@@ -194,12 +194,13 @@ def student_table(state: dict, layer_idx: int, like: torch.Tensor) -> EGMLAGateT
     return table.to(device=like.device, dtype=like.dtype).requires_grad_(False)
 
 
-def layer_state(student, table, layer_idx: int) -> dict[str, torch.Tensor]:
-    """The student layer's tensors (and its gate table's), copied: the layer-wise fit moves them in place."""
-    state = {f"model.layers.{layer_idx}.{name}": tensor.clone() for name, tensor in student.state_dict().items()}
+def layer_state(student, table, layer_idx: int, copied: bool) -> dict[str, torch.Tensor]:
+    """The student layer's tensors (and its gate table's); `copied` where the layer-wise fit will still move them in
+    place (after the fit nothing does, and the layer is let go)."""
+    state = {f"model.layers.{layer_idx}.{name}": tensor for name, tensor in student.state_dict().items()}
     if table is not None:
-        state[f"model.gate_embeddings.{layer_idx}.weight"] = table.weight.detach().clone()
-    return state
+        state[f"model.gate_embeddings.{layer_idx}.weight"] = table.weight.detach()
+    return {name: tensor.clone() for name, tensor in state.items()} if copied else state
 
 
 def pass_layer(source: LayerSource, layer_idx: int, state: LayerPass, saved, times: StageTimes) -> None:
@@ -219,13 +220,13 @@ def pass_layer(source: LayerSource, layer_idx: int, state: LayerPass, saved, tim
             fitted_gate = gate_layer(student.self_attn, layer.self_attn, planned.split, gate_inputs, state.gate)
             state.gate_rows.append(set_table(table, [fitted_gate], student_rotary, state.gate))
             del gate_inputs, fitted_gate  # [N, S, D] each, on the device: freed before the fit
-        closed_form = layer_state(student, table, layer_idx)
+        closed_form = layer_state(student, table, layer_idx, copied=state.fitting is not None)
     fitted = closed_form
     if state.fitting is not None:
         with times.stage("layer-wise fit"):
             block = StudentBlock(student, table, moves_table=True)
             state.rows.append(fit_and_advance(block, layer, state.fitting, rotary, student_rotary))
-        fitted = layer_state(student, table, layer_idx)
+        fitted = layer_state(student, table, layer_idx, copied=False)
     if state.documents is not None:
         with times.stage("scoring"):
             for documents in [state.documents, *state.extra.values()]:
