@@ -7,8 +7,10 @@ vLLM's CPU latent-attention kernels (`decode_attention_cpu`, `extend_attention_c
 reading the paged cache in place; they take widths that are multiples of 32, so the model pads the cache row with
 zero columns (`tail_padding`). In fp32, which those kernels lack (`EGMLACPUMLABackend`), the plugin's own decode
 kernel reads the paged cache in place (`cpu_kernels`) and prompts attend by vLLM's CPU attention, its Llama's. The
-gate on K/V and the RoPE-exact latent run `RebuildingAttention`. On a GPU, vLLM's own MLA layer, with its MLA
-backends where the layout is DeepSeek's and this module's PyTorch decode elsewhere.
+gate on K/V and the RoPE-exact latent run `RebuildingAttention`; `qk_norm` with the gate off or on the latent runs
+`KeyScaledAttention` (every score of a key times its cached norm scale: no latent kernel does it), on a GPU too. On
+a GPU, vLLM's own MLA layer, with its MLA backends where the layout is DeepSeek's and this module's PyTorch decode
+elsewhere.
 """
 
 from dataclasses import dataclass
@@ -51,22 +53,24 @@ def latent_value_width(latent_width: int) -> int:
     return -(-latent_width // LATENT_KERNEL_ALIGNMENT) * LATENT_KERNEL_ALIGNMENT
 
 
-def tail_padding(latent_width: int, tail_width: int, dtype: torch.dtype, rebuilds: bool = False) -> int:
+def tail_padding(latent_width: int, tail_width: int, dtype: torch.dtype, pytorch_attention: bool = False) -> int:
     """The zero columns after the cache row's tail that make the row fit vLLM's CPU latent kernels (0 where they do
-    not serve: fp32, a GPU, or keys rebuilt from the cache)."""
-    if rebuilds or not latent_kernels(dtype):
+    not serve: fp32, a GPU, or the plugin's PyTorch attention computing the scores)."""
+    if pytorch_attention or not latent_kernels(dtype):
         return 0
     return -(latent_width + tail_width) % LATENT_KERNEL_ALIGNMENT
 
 
-def latent_backend(latent_width: int, tail_width: int, dtype: torch.dtype, rebuilds: bool = False) -> type | None:
-    """The attention backend for cached rows [latent ; tail] (the tail padded by `tail_padding`): ours where the keys
-    are rebuilt (it only writes the cache there) and where vLLM has no kernel for that layout, else None (vLLM
-    chooses). On the CPU in bf16 and fp16 ours runs vLLM's latent kernels; elsewhere it is plain PyTorch, so it runs
+def latent_backend(
+    latent_width: int, tail_width: int, dtype: torch.dtype, pytorch_attention: bool = False
+) -> type | None:
+    """The attention backend for cached rows [latent ; tail] (the tail padded by `tail_padding`): ours where the
+    plugin's PyTorch attention computes the scores (keys rebuilt, or scaled per key: it only writes the cache there)
+    and where vLLM has no kernel for that layout, else None (vLLM chooses). On the CPU in bf16 and fp16 ours runs vLLM's latent kernels; elsewhere it is plain PyTorch, so it runs
     on a GPU too, but it is tested on the CPU only."""
     if current_platform.is_cpu():
-        return EGMLALatentKernelBackend if not rebuilds and latent_kernels(dtype) else EGMLACPUMLABackend
-    if rebuilds or tail_width != NATIVE_ROPE_WIDTH or latent_width not in NATIVE_LATENT_WIDTHS:
+        return EGMLALatentKernelBackend if not pytorch_attention and latent_kernels(dtype) else EGMLACPUMLABackend
+    if pytorch_attention or tail_width != NATIVE_ROPE_WIDTH or latent_width not in NATIVE_LATENT_WIDTHS:
         return EGMLACPUMLABackend
     return None
 
@@ -278,6 +282,42 @@ class AbsorbedAttention(MLAAttention):
         return attend_over_cache(
             query, key, key[..., : self.value_width], valid, seq_lens, starts - starts[0], self.scale
         )
+
+
+class KeyScaledAttention(AbsorbedAttention):
+    """`qk_norm` with the gate off or on the latent: every score of a cached key is multiplied by its key-norm scale
+    (cached after the rope keys, one per key-norm head), which vLLM's latent kernels cannot do. Prompts and decodes
+    alike attend absorbed, in one pass: each query [q_nope W^{UK} ; rope query] over its request's cached rows
+    [latent ; rope keys] times each key-norm head's scales (`key_norm_heads` keys per row, made per step, never
+    cached; query head i takes head i // (H / Hn), its key head's), the values the latents, taken to values by
+    W^{UV} after. A scaled key times the query is the scaled score: exact. Returns the attended values [T, H * dv].
+    """
+
+    def __init__(self, rope_key_width: int, key_norm_heads: int, **kwargs):
+        super().__init__(rope_key_width, kernels=False, **kwargs)
+        self.key_norm_heads = key_norm_heads
+
+    def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, **kwargs) -> torch.Tensor:
+        """q [T, H, dn + tail], rotated; the new tokens' rows are already in kv_cache."""
+        if attn_metadata is None:  # the profile run
+            return output.fill_(0)
+        tokens = attn_metadata.num_actual_tokens
+        seq_lens = attn_metadata.request_seq_lens.to(torch.long)
+        starts = attn_metadata.request_query_start_loc.to(torch.long)
+        rows, valid = request_rows(kv_cache, attn_metadata.request_block_table, seq_lens)  # [R, T, width]
+        key = self.scaled_keys(rows)  # [R, T, Hn, r + rope]
+        query = self.absorb(q[:tokens])[..., : key.shape[-1]]  # the scale columns' zeros dropped
+        value = rows[:, :, None, : self.kv_lora_rank]  # [R, T, 1, r]
+        attended = attend_over_cache(query, key, value, valid, seq_lens, starts, self.scale)  # [N, H, r]
+        output[:tokens] = self.up_value(attended).flatten(1).to(output.dtype)
+        return output
+
+    def scaled_keys(self, rows: torch.Tensor) -> torch.Tensor:
+        """Cached rows [R, T, r + rope + Hn (+ ...)] -> keys [R, T, Hn, r + rope]: [latent ; rope keys] times each
+        key-norm head's scale."""
+        key_width = self.kv_lora_rank + self.rope_key_width
+        scales = rows[..., key_width : key_width + self.key_norm_heads]
+        return rows[:, :, None, :key_width] * scales[..., None]
 
 
 def extend_attention(

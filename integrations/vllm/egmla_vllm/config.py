@@ -120,15 +120,28 @@ class EGMLAConfig(PreTrainedConfig):
         return self.qk_nope_head_dim + (self.qk_rope_head_dim if self.rope_mode == "exact" else 0)
 
     @property
+    def key_scale_width(self) -> int:
+        """`qk_norm`: each token's key-norm scales cached after its rope keys, one per key-norm head (else 0)."""
+        return self.qk_norm_key_heads if self.qk_norm else 0
+
+    @property
+    def pytorch_attention(self) -> bool:
+        """The plugin's PyTorch attention computes the scores: keys rebuilt from the cache (not `absorbs`), or
+        scores multiplied per key by its norm scale (`qk_norm`), which no latent kernel of vLLM does."""
+        return not self.absorbs or self.qk_norm
+
+    @property
     def cache_tail_width(self) -> int:
-        """Values past the latent in vLLM's paged cache row: the rope keys and the token id digits (at least one
-        value: vLLM's MLA layer needs a rope key; a RoPE-exact latent without the gate on K/V caches a zero)."""
-        tail = self.rope_key_width + self.id_digits
+        """Values past the latent in vLLM's paged cache row: the rope keys, the key-norm scales and the token id
+        digits (at least one value: vLLM's MLA layer needs a rope key; a RoPE-exact latent without the gate on K/V
+        or qk_norm caches a zero)."""
+        tail = self.rope_key_width + self.key_scale_width + self.id_digits
         return max(tail, 1)
 
     @property
     def cache_row_width(self) -> int:
-        """Values per token per layer in vLLM's paged cache: [latent ; rope keys ; token id digits]."""
+        """Values per token per layer in vLLM's paged cache: [latent ; rope keys ; key-norm scales ; token id
+        digits]."""
         return self.latent_width + self.cache_tail_width
 
     def layer_kv_lora_rank(self, layer_idx: int) -> int:
@@ -146,9 +159,16 @@ def check_servable(config: EGMLAConfig) -> None:
     if config.hidden_act != "silu":
         raise ValueError(f"egmla-vllm: hidden_act {config.hidden_act!r} is not served (only silu).")
     if config.qk_norm:
-        raise ValueError(
-            "egmla-vllm: qk_norm (a Qwen3 source's query and key norms, the key's cached as a scale per token) is "
-            "not served yet; serve this model with transformers."
-        )
+        check_qk_norm(config)
     if config.qk_nope_head_dim <= 0 and config.absorbs:
         raise ValueError("egmla-vllm: qk_nope_head_dim 0 leaves vLLM's absorbed MLA decode no key to absorb.")
+
+
+def check_qk_norm(config: EGMLAConfig) -> None:
+    """What egmla's config requires of `qk_norm` (a folder's config.json may have been edited by hand)."""
+    heads, norm_dim = config.qk_norm_key_heads, config.qk_norm_head_dim
+    if norm_dim is None or heads is None or config.num_key_value_heads % heads or config.q_lora_rank is not None:
+        raise ValueError(
+            "egmla-vllm: qk_norm needs qk_norm_head_dim and qk_norm_key_heads (dividing num_key_value_heads "
+            f"{config.num_key_value_heads}) and no q_lora_rank; got {norm_dim}, {heads}, {config.q_lora_rank}."
+        )

@@ -27,6 +27,7 @@ from vllm.sequence import IntermediateTensors
 
 from .attention import (
     AbsorbedAttention,
+    KeyScaledAttention,
     RebuildingAttention,
     latent_backend,
     latent_kernels,
@@ -95,7 +96,10 @@ class EGMLAAttention(nn.Module):
     Gate on K/V, or the RoPE-exact latent: `RebuildingAttention`, whose cache row also holds the token id (gate on
     K/V) and which rebuilds every cached key at every step (`rebuild`: gated, normed, and in "exact" mode the rope
     dims turned by each cached position, which is its slot in the request), and every value only with the gate on
-    K/V (without it the weights sum the latents and W^{UV} follows once).
+    K/V (without it the weights sum the latents and W^{UV} follows once). `qk_norm`: the query is the source's
+    (`q_proj`, its per-head norm, `q_head_proj` to `[nope ; rope]`), and each token's key-norm scales (1/rms of
+    `k_norm_proj`, one per key-norm head) are cached after its rope keys; every score of a key is multiplied by its
+    scale, by `KeyScaledAttention` (gate off or on the latent) or in `rebuild`.
     """
 
     def __init__(self, config: EGMLAConfig, layer_idx: int, cache_config: CacheConfig | None, prefix: str,
@@ -111,6 +115,8 @@ class EGMLAAttention(nn.Module):
             config.v_head_dim,
         )
         self.rope_key_heads = config.rope_key_heads
+        self.key_norm_heads, self.rms_norm_eps = config.key_scale_width, config.rms_norm_eps
+        self.pytorch_attention = config.pytorch_attention
         self.kv_lora_rank = config.layer_kv_lora_rank(layer_idx)
         self.latent_width = config.latent_width
         self.q_lora_rank = config.q_lora_rank
@@ -128,22 +134,7 @@ class EGMLAAttention(nn.Module):
         # vLLM's MLA layer. Either takes the checkpoint's projections as they are.
         self.absorbed = self.absorbs and current_platform.is_cpu()
         self.latent_proj_width = self.kv_lora_rank + self.rope_key_width
-        # The query's (or its low-rank down) projection and the latent's are one product of the hidden states.
-        query_width = (
-            self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
-            if self.q_lora_rank is None
-            else self.q_lora_rank
-        )
-        self.fused_qkv_a_proj = MergedColumnParallelLinear(
-            config.hidden_size, [query_width, self.latent_proj_width], bias=config.attention_bias,
-            prefix=f"{prefix}.fused_qkv_a_proj",
-        )  # fmt: skip
-        if self.q_lora_rank is not None:
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
-            self.q_b_proj = ReplicatedLinear(
-                self.q_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim), bias=False,
-                prefix=f"{prefix}.q_b_proj",
-            )  # fmt: skip
+        self.add_input_projections(config, prefix)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_latent_norm else None
         kv_width = self.rebuilt_key_dim + self.v_head_dim
         # Built at the padded width: the loader pads the checkpoint's [H*(dn+dv), r] with zero columns.
@@ -164,8 +155,30 @@ class EGMLAAttention(nn.Module):
                     kv_width if self.caches_token_ids else self.kv_lora_rank, eps=config.rms_norm_eps
                 )
         self.register_buffer("rope_dims", torch.tensor(rotary_dims(config, layer_idx)), persistent=False)
-        self.tail_padding = tail_padding(self.latent_width, self.tail_width, dtype, rebuilds=not self.absorbs)
+        self.tail_padding = tail_padding(self.latent_width, self.tail_width, dtype, self.pytorch_attention)
         self.attn = self.attention_layer(config, cache_config, prefix, dtype)
+
+    def add_input_projections(self, config: EGMLAConfig, prefix: str) -> None:
+        """The query's (or its low-rank down) projection, the latent's and with `qk_norm` the key norm's, as one
+        product of the hidden states; the low-rank query's up projection, or `qk_norm`'s per-head query norm and
+        map to `[nope ; rope]`."""
+        query_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.key_norm_heads:  # the source's query and key projections (egmla's q_proj and k_norm_proj)
+            norm_dim = config.qk_norm_head_dim
+            widths = [self.num_heads * norm_dim, self.latent_proj_width, self.key_norm_heads * norm_dim]
+            self.q_norm = RMSNorm(norm_dim, eps=config.rms_norm_eps)
+            self.q_head_proj = HeadProjection(self.num_heads, query_dim, norm_dim)
+        else:
+            widths = [self.num_heads * query_dim if self.q_lora_rank is None else self.q_lora_rank]
+            widths.append(self.latent_proj_width)
+        self.fused_qkv_a_proj = MergedColumnParallelLinear(
+            config.hidden_size, widths, bias=config.attention_bias, prefix=f"{prefix}.fused_qkv_a_proj"
+        )
+        if self.q_lora_rank is not None:
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = ReplicatedLinear(
+                self.q_lora_rank, self.num_heads * query_dim, bias=False, prefix=f"{prefix}.q_b_proj"
+            )
 
     def attention_layer(
         self, config: EGMLAConfig, cache_config: CacheConfig | None, prefix: str, dtype: torch.dtype
@@ -175,11 +188,13 @@ class EGMLAAttention(nn.Module):
             qk_rope_head_dim=self.tail_width + self.tail_padding, v_head_dim=self.v_head_dim,
             q_lora_rank=self.q_lora_rank, kv_lora_rank=self.latent_width, kv_b_proj=self.kv_b_proj,
             cache_config=cache_config, prefix=f"{prefix}.attn",
-            attn_backend=latent_backend(self.latent_width, self.tail_width, dtype, rebuilds=not self.absorbs),
+            attn_backend=latent_backend(self.latent_width, self.tail_width, dtype, self.pytorch_attention),
         )  # fmt: skip
         if not self.absorbs:
             up_values = None if self.caches_token_ids else self.up_values
             return RebuildingAttention(self.rebuild, up_values, **layer)
+        if self.key_norm_heads:  # on a GPU too: vLLM's MLA kernels cannot multiply a key's scores
+            return KeyScaledAttention(self.rope_key_width, self.key_norm_heads, **layer)
         if self.absorbed:
             return AbsorbedAttention(self.rope_key_width, latent_kernels(dtype), **layer)
         return MLAAttention(**layer)
@@ -200,15 +215,25 @@ class EGMLAAttention(nn.Module):
     def rebuild(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached rows [R, T, r + tail] of whole requests -> keys [R, T, Hkv, dn + dr] and what the weights sum, as
         egmla's `expand_kv`: the keys gated by 1 + W^{UE} E[id] and normed per head (gate on K/V), their rope dims
-        rotated by each cached position ("exact"), or the cached rope keys beside the rebuilt dims (decoupled). With
-        no gate on the values the weights sum the latents themselves [R, T, 1, r] (`up_values` applies W^{UV} once
-        after), else the rebuilt values [R, T, Hkv, dv]."""
-        requests, length, _ = rows.shape
+        rotated by each cached position ("exact"), or the cached rope keys beside the rebuilt dims (decoupled), and
+        with `qk_norm` each key times its key-norm head's cached scale. With no gate on the values the weights sum
+        the latents themselves [R, T, 1, r] (`up_values` applies W^{UV} once after), else the rebuilt values
+        [R, T, Hkv, dv]."""
         latent, tail = rows.split([self.latent_width, self.tail_width], dim=-1)
+        key, value = self.rebuild_keys_and_values(latent, tail)
+        if self.key_norm_heads:  # key head h takes key-norm head h // (Hkv / Hn)
+            scales = tail[..., self.rope_key_width : self.rope_key_width + self.key_norm_heads]
+            key = key * scales.repeat_interleave(self.num_key_value_heads // self.key_norm_heads, dim=-1)[..., None]
+        return key, value
+
+    def rebuild_keys_and_values(self, latent: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rebuild` before the key-norm scales: latent [R, T, r], tail [R, T, tail]."""
+        requests, length, _ = latent.shape
         if self.caches_token_ids:  # the gate on K/V: keys and values rebuilt together
             kv = self.kv_b_proj(latent.reshape(requests * length, -1))[0]
-            digits = tail[..., self.rope_key_width : self.rope_key_width + self.id_digits].round().long()
-            ids = (digits * 256 ** torch.arange(self.id_digits, device=rows.device)).sum(-1)  # padding rows: 0
+            id_start = self.rope_key_width + self.key_norm_heads
+            digits = tail[..., id_start : id_start + self.id_digits].round().long()
+            ids = (digits * 256 ** torch.arange(self.id_digits, device=latent.device)).sum(-1)  # padding rows: 0
             kv = kv * (1 + self.gate_embedding_proj(self.gate_table(ids.flatten()))[0])
             if self.gate_norm is not None:
                 kv = self.gate_norm(kv.view(requests * length * self.num_key_value_heads, -1))
@@ -221,7 +246,7 @@ class EGMLAAttention(nn.Module):
         if self.rope_mode == "exact":  # a request's cached positions are 0 .. T-1, in its slots' order
             cos, sin = (
                 part[:, self.rope_dims[0]][None, :, None]
-                for part in self.rotary(torch.arange(length, device=rows.device))
+                for part in self.rotary(torch.arange(length, device=latent.device))
             )
             key_rope = rotate(key[..., self.qk_nope_head_dim :], cos.to(key.dtype), sin.to(key.dtype))
             return torch.cat([key[..., : self.qk_nope_head_dim], key_rope], dim=-1), value
@@ -246,15 +271,35 @@ class EGMLAAttention(nn.Module):
         values = torch.einsum("ngjr,gvr->ngjv", attended, self.up_weights()[1].to(attended.dtype))
         return values.reshape(tokens, self.num_heads, -1)
 
-    def cache_tail(self, rope_key: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """What the cache row holds past the latent for the new tokens [T, 1, tail]: the rope keys, the token id
-        as base-256 digits (gate on K/V), or one zero (a RoPE-exact latent without it)."""
+    def cache_tail(
+        self, rope_key: torch.Tensor, key_scale: torch.Tensor | None, input_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """What the cache row holds past the latent for the new tokens [T, 1, tail (+ padding)]: the rope keys, the
+        key-norm scales (`qk_norm`), the token id as base-256 digits (gate on K/V), or one zero (a RoPE-exact
+        latent with neither), then the zero columns vLLM's CPU latent kernels need."""
         parts = [rope_key]
+        if key_scale is not None:
+            parts.append(key_scale[:, None].to(rope_key.dtype))
         if self.caches_token_ids:
             digits = (input_ids[:, None] // 256 ** torch.arange(self.id_digits, device=input_ids.device)) % 256
             parts.append(digits[:, None].to(rope_key.dtype))
         tail = torch.cat(parts, dim=-1)
-        return nn.functional.pad(tail, (0, self.tail_width - tail.shape[-1]))
+        return nn.functional.pad(tail, (0, self.tail_width + self.tail_padding - tail.shape[-1]))
+
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """hidden_states [T, D] -> the query [T, H, dn + dr] before rope, the latent projection [T, r + Hr * dr],
+        and with `qk_norm` each token's key-norm scales [T, Hn] (float32), as egmla's `project_query` and
+        `key_scale`."""
+        tokens = hidden_states.shape[0]
+        parts = self.fused_qkv_a_proj(hidden_states)[0].split(self.fused_qkv_a_proj.output_sizes, dim=-1)
+        query, latent = parts[0], parts[1]
+        if self.key_norm_heads:
+            query = self.q_head_proj(self.q_norm(query.reshape(tokens, self.num_heads, -1)))
+            key_scale = key_norm_scale(parts[2].reshape(tokens, self.key_norm_heads, -1), self.rms_norm_eps)
+            return query, latent, key_scale
+        if self.q_lora_rank is not None:
+            query = self.q_b_proj(self.q_a_layernorm(query.contiguous()))[0]
+        return query.view(tokens, self.num_heads, -1), latent, None
 
     def forward(
         self, rotary: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor, input_ids: torch.Tensor
@@ -267,34 +312,43 @@ class EGMLAAttention(nn.Module):
             self.qk_rope_head_dim,
             self.qk_nope_head_dim,
         )
-        query, latent = self.fused_qkv_a_proj(hidden_states)[0].split(
-            [self.fused_qkv_a_proj.output_sizes[0], self.latent_proj_width], dim=-1
-        )
-        if self.q_lora_rank is not None:
-            query = self.q_b_proj(self.q_a_layernorm(query.contiguous()))[0]
-        query = query.view(tokens, heads, nope + rope_dim)
+        query, latent, key_scale = self.project(hidden_states)
         kv_latent, rope_key = latent.split([self.kv_lora_rank, self.rope_key_width], dim=-1)
         cos, sin = rotary
         query_rope = rotate(query[..., nope:].reshape(tokens, rope_heads, -1, rope_dim), cos, sin)
         if self.rope_mode != "exact":
             rope_key = rotate(rope_key.view(tokens, rope_heads, 1, rope_dim), cos, sin)
-        rope_key = rope_key.reshape(tokens, 1, -1)
-        if not self.absorbs:  # the queries keep their own rope dims; the cache row ends with the tail
-            query_rope = query_rope.reshape(tokens, heads, rope_dim)
-            rope_key = self.cache_tail(rope_key, input_ids)
-        elif rope_heads > 1:  # each head's rope query in its group's slot of the Hr * dr rope key: [T, Hr, G, Hr, dr]
+        tail = self.cache_tail(rope_key.reshape(tokens, 1, -1), key_scale, input_ids)
+        if self.absorbs and rope_heads > 1:  # each head's rope query in its group's slot of the Hr * dr rope key
             slots = torch.eye(rope_heads, dtype=query.dtype, device=query.device)[None, :, None, :, None]
             query_rope = (query_rope.unsqueeze(3) * slots).reshape(tokens, heads, rope_heads * rope_dim)
         else:
             query_rope = query_rope.reshape(tokens, heads, rope_dim)
-        if self.absorbs and self.tail_padding:
-            padding = (0, self.tail_width + self.tail_padding - self.rope_key_width)
-            query_rope, rope_key = nn.functional.pad(query_rope, padding), nn.functional.pad(rope_key, padding)
+        if self.absorbs:  # the absorbed query meets the whole row: zeros past its rope keys
+            query_rope = nn.functional.pad(query_rope, (0, tail.shape[-1] - query_rope.shape[-1]))
         query = torch.cat([query[..., :nope], query_rope], dim=-1)
         output = self.attn(
-            query, self.latent(kv_latent, input_ids), rope_key, output_shape=(tokens, heads * self.v_head_dim)
+            query, self.latent(kv_latent, input_ids), tail, output_shape=(tokens, heads * self.v_head_dim)
         )
         return self.o_proj(output)[0]
+
+
+class HeadProjection(nn.Module):
+    """One linear map per head, weight [H, out, in] (`qk_norm`'s `q_head_proj`: each normed query head to its
+    `[nope ; rope]` query)."""
+
+    def __init__(self, heads: int, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads, out_features, in_features))
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        """[T, H, in] -> [T, H, out]."""
+        return torch.einsum("thi,hoi->tho", states, self.weight)
+
+
+def key_norm_scale(keys: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / rms of each key-norm head [T, Hn, d] -> [T, Hn], in float32 (as egmla's `key_norm_scale`)."""
+    return torch.rsqrt(keys.float().pow(2).mean(-1) + eps)
 
 
 def per_query_head(weight: torch.Tensor, config: EGMLAConfig) -> torch.Tensor:
@@ -435,4 +489,5 @@ MERGED_SHARDS = {
     ".self_attn.q_proj.": (".self_attn.fused_qkv_a_proj.", 0),
     ".self_attn.q_a_proj.": (".self_attn.fused_qkv_a_proj.", 0),
     ".self_attn.kv_a_proj_with_mqa.": (".self_attn.fused_qkv_a_proj.", 1),
+    ".self_attn.k_norm_proj.": (".self_attn.fused_qkv_a_proj.", 2),
 }  # fmt: skip

@@ -32,6 +32,8 @@ TINY = dict(
     kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256,
     bos_token_id=1, eos_token_id=2,
 )  # fmt: skip
+# qk_norm's fields (a converted Qwen3's): each query head normed over 12 values, 2 key-norm heads.
+QK_NORM = dict(qk_norm=True, qk_norm_head_dim=12, qk_norm_key_heads=2)
 # Every mode the plugin serves, on tiny random folders (three with 2 key heads for 4 query heads, GQA: the absorbed
 # gate on the latent, the gate on K/V with two rope keys, the RoPE-exact latent): the gate on the latent with one
 # rope key; the gate off with
@@ -67,6 +69,21 @@ TINY_FOLDERS = {
     ),
     # A row of 20 + 6 = 26: vLLM's CPU latent kernels (bf16) take it padded to 32.
     "gate-off-odd-widths": dict(gate_embedding_dim=0, kv_lora_rank=20, qk_rope_head_dim=6),
+    # qk_norm (a converted Qwen3): the gate off with biases, 4 key heads under 2 key-norm heads; the gate on the
+    # latent with GQA (2 key heads, each its own key-norm head) and two rope keys; the rebuilt keys of the RoPE-exact
+    # latent with the gate on K/V (4 key heads under 2 key-norm heads), and of the gate on K/V with GQA, two rope
+    # keys and one key-norm head.
+    "qk-norm-gate-off": dict(gate_embedding_dim=0, attention_bias=True, **QK_NORM),
+    "qk-norm-gate-latent-gqa": dict(
+        gate_embedding_dim=8, gate_position="latent", num_key_value_heads=2, rope_key_heads=2, **QK_NORM
+    ),
+    "qk-norm-exact-gate-kv": dict(
+        gate_embedding_dim=8, gate_position="kv", rope_mode="exact", rope_frequency_dim=16, **QK_NORM
+    ),
+    "qk-norm-gate-kv-gqa": dict(
+        gate_embedding_dim=8, gate_position="kv", num_key_value_heads=2, rope_key_heads=2,
+        **{**QK_NORM, "qk_norm_key_heads": 1},
+    ),
 }  # fmt: skip
 
 
@@ -87,21 +104,33 @@ def save_folder(model: EGMLAForCausalLM, folder: Path) -> Path:
 
 
 def tiny_model(name: str) -> EGMLAForCausalLM:
+    """A tiny random folder's model; with qk_norm its norm weights random too (the query norm's would be ones) and
+    its attention peaked (`with_peaked_attention`)."""
     torch.manual_seed(0)
     model = EGMLAForCausalLM(EGMLAConfig(**{**TINY, **TINY_FOLDERS[name]})).eval()
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
             if "gate_embedding_proj" in parameter_name:  # a trained gate, not the identity it starts as
                 parameter.normal_(0.0, 0.2)
-    return model
+    return with_peaked_attention(with_random_norms(model)) if model.config.qk_norm else model
 
 
 def with_random_norms(model: EGMLAForCausalLM) -> EGMLAForCausalLM:
     """Norm weights drawn in [0.5, 1.5]: a wrong slice or order of a norm would show."""
     with torch.no_grad():
         for module_name, parameter in model.named_parameters():
-            if "norm" in module_name:
+            if module_name.endswith("norm.weight"):  # not k_norm_proj, a projection
                 parameter.uniform_(0.5, 1.5)
+    return model
+
+
+def with_peaked_attention(model: EGMLAForCausalLM) -> EGMLAForCausalLM:
+    """The query's, keys' and key norm's projections drawn at std 0.3 (not 0.02): scores far from uniform, so a
+    key-norm scale applied to the wrong key or head moves the logprobs far past the tolerance."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_head_proj.weight", "kv_b_proj.weight", "k_norm_proj.weight")):
+                parameter.normal_(0.0, 0.3)
     return model
 
 
@@ -141,12 +170,12 @@ def qwen2_models() -> dict[str, EGMLAForCausalLM]:
     }
 
 
-LONG_PROMPTS_FOLDERS = ["gate-latent", "gate-kv-two-rope-keys", "exact-gate-kv"]
-# bf16: vLLM's CPU latent kernels for the absorbed modes (rows of 32, 40 padded to 64, 26 padded to 32), and the
-# rebuilding attention for the gate on K/V.
+LONG_PROMPTS_FOLDERS = ["gate-latent", "gate-kv-two-rope-keys", "exact-gate-kv", "qk-norm-gate-latent-gqa"]
+# bf16: vLLM's CPU latent kernels for the absorbed modes (rows of 32, 40 padded to 64, 26 padded to 32), the
+# rebuilding attention for the gate on K/V, and the key-scaled attention for qk_norm.
 BFLOAT16_FOLDERS = [
     "gate-latent", "gate-latent-two-rope-keys-llama3", "gate-off-qlora-ranks-tied", "gate-off-odd-widths",
-    "gate-kv-two-rope-keys",
+    "gate-kv-two-rope-keys", "qk-norm-gate-off", "qk-norm-gate-latent-gqa",
 ]  # fmt: skip
 STORIES_PROMPTS = [[1, 403, 407, 261, 378], [1, 365, 2]]
 
@@ -206,8 +235,10 @@ def served(vllm_python, tmp_path_factory) -> dict[str, tuple[dict, EGMLAForCausa
     torch.manual_seed(0)
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     add("dynamic-rope", EGMLAForCausalLM(EGMLAConfig(**TINY, rope_parameters=dynamic)), PROMPTS)
-    qk_norm = {"qk_norm": True, "qk_norm_head_dim": 16, "qk_norm_key_heads": 2, "gate_embedding_dim": 0}
-    add("qk-norm", EGMLAForCausalLM(EGMLAConfig(**TINY, **qk_norm)), PROMPTS)
+    incomplete = save_folder(tiny_model("qk-norm-gate-off"), root / "qk-norm-incomplete")
+    config = json.loads((incomplete / "config.json").read_text())
+    (incomplete / "config.json").write_text(json.dumps({**config, "qk_norm_key_heads": None}))  # edited by hand
+    add("qk-norm-incomplete", models["tiny/qk-norm-gate-off"][0], PROMPTS, folder=incomplete)
     results = run_vllm(vllm_python, requests, root)
     return {name: (results[name], *models[name]) for name in requests}
 
@@ -220,14 +251,15 @@ def result_of(served: dict, name: str) -> tuple[dict, EGMLAForCausalLM, list]:
 
 
 def expected_kv_bytes(config: EGMLAConfig, dtype: str = "float32") -> int:
-    """The latent arithmetic: per layer the widest latent, every rope key and, with the gate on K/V, the token id
-    (2 base-256 digits for these vocabularies), not the expanded K/V. A RoPE-exact latent without the gate on K/V
-    caches one zero value beside it (vLLM's MLA layer needs a rope key). In bf16 the absorbed modes' rows are padded
-    with zeros to a multiple of 32 values (vLLM's CPU latent kernels)."""
+    """The latent arithmetic: per layer the widest latent, every rope key, with qk_norm one scale per key-norm head
+    and, with the gate on K/V, the token id (2 base-256 digits for these vocabularies), not the expanded K/V. A
+    RoPE-exact latent without the gate on K/V caches one zero value beside it (vLLM's MLA layer needs a rope key).
+    In bf16 the absorbed modes' rows are padded with zeros to a multiple of 32 values (vLLM's CPU latent kernels;
+    qk_norm's attention is the plugin's own)."""
     ranks = config.kv_lora_rank if isinstance(config.kv_lora_rank, list) else [config.kv_lora_rank]
-    tail = (config.rope_key_width + (2 if config.caches_token_ids else 0)) or 1  # one zero: vLLM needs a rope key
-    width = max(ranks) + tail
-    if dtype == "bfloat16" and config.absorbs:
+    tail = config.rope_key_width + config.key_scale_width + (2 if config.caches_token_ids else 0)
+    width = max(ranks) + (tail or 1)  # one zero: vLLM needs a rope key
+    if dtype == "bfloat16" and config.absorbs and not config.qk_norm:
         width = -(-width // 32) * 32
     return config.num_hidden_layers * width * (4 if dtype == "float32" else 2)
 
@@ -308,11 +340,22 @@ def test_a_converted_qwen2_in_bfloat16_keeps_its_biases(served):
     assert_logprobs_agree(student, prompts, result, tolerance=0.15)
 
 
-def test_an_unserved_rope_type_and_qk_norm_are_refused_by_name(served):
+def test_an_unserved_rope_type_and_an_incomplete_qk_norm_are_refused_by_name(served):
     result, _, _ = served["dynamic-rope"]
     assert "rope_type 'dynamic' is not served" in result.get("error", "")
-    result, _, _ = served["qk-norm"]
-    assert "qk_norm (a Qwen3 source's query and key norms" in result.get("error", "")
+    result, _, _ = served["qk-norm-incomplete"]
+    assert "qk_norm needs qk_norm_head_dim and qk_norm_key_heads" in result.get("error", "")
+
+
+@pytest.mark.parametrize("name", [name for name in TINY_FOLDERS if name.startswith("qk-norm")])
+def test_qk_norm_folders_give_transformers_greedy_tokens(served, name):
+    """qk_norm (random norm weights): transformers' greedy tokens, besides the logprobs checked with every tiny
+    folder; the cache row holds one key-norm scale per key-norm head, nothing per query head."""
+    result, model, prompts = result_of(served, f"tiny/{name}")
+    for prompt, tokens in zip(prompts, result["tokens"], strict=True):
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
+        assert tokens == expected.tolist()[: len(tokens)] and len(tokens) > 0
 
 
 # Run in the vLLM venv: the plugin's PyTorch attention over a paged cache whose unused slots hold NaN (a reused block

@@ -14,7 +14,9 @@ from egmla import EGMLAConfig
 from tests.utils import MODES, tiny_config
 
 PLUGIN = Path(__file__).resolve().parents[1] / "egmla_vllm"
-SHARED_RULES = ("gate_enabled", "absorbs", "rope_key_width", "caches_token_ids", "caches_positions")
+SHARED_RULES = (
+    "gate_enabled", "absorbs", "rope_key_width", "caches_token_ids", "caches_positions", "key_scale_width",
+)  # fmt: skip
 
 
 def plugin_config_class() -> type:
@@ -99,7 +101,8 @@ def test_the_plugins_copied_helpers_compute_as_egmlas(case):
 # What the plugin's attention holds under egmla's `EGMLAAttention` names, and the spellings it must not use.
 EGMLA_ATTRIBUTES = ("num_heads", "num_key_value_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "rope_key_heads", "kv_lora_rank", "q_lora_rank", "rebuilt_key_dim", "rope_key_width", "absorbs",
-                    "rope_mode", "kv_b_proj", "o_proj", "kv_a_layernorm", "gate_embedding_proj", "gate_norm")  # fmt: skip
+                    "rope_mode", "kv_b_proj", "o_proj", "kv_a_layernorm", "gate_embedding_proj", "gate_norm",
+                    "key_norm_heads")  # fmt: skip
 OTHER_SPELLINGS = ("nope_dim", "rope_dim", "value_dim", "rope_width", "exact_rope", "key_heads")
 
 
