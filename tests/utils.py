@@ -29,6 +29,10 @@ if not TINYSTORIES.exists():
     TINYSTORIES = Path(__file__).resolve().parents[1] / "egmla" / "data" / "tinystories_excerpt.txt"
 
 QK_NORM = {"qk_norm_head_dim": 12, "qk_norm_key_heads": 2}
+# Gemma 3's layer: norms on the attention's and MLP's outputs, a scaled embedding, GELU-tanh, and a windowed layer
+# with its own RoPE base (a window shorter than the tests' sequences).
+GEMMA_LAYERS = {"sandwich_norms": True, "embedding_multiplier": 8.0, "hidden_act": "gelu_pytorch_tanh",
+                "sliding_window": 5, "sliding_window_layers": [0], "sliding_rope_theta": 100.0}  # fmt: skip
 # The cache modes: gate off (plain MLA, both decode paths), gate on the up-projected K/V, gate on the latent;
 # each with the decoupled rope key, and with the RoPE-exact latent.
 MODES = {
@@ -44,6 +48,9 @@ MODES = {
     # absorbed decode, and the rebuilding one.
     "qk-norm": {"gate_embedding_dim": 0, "gate_position": "latent", "qk_norm": True, **QK_NORM},
     "qk-norm-gate-kv": {"gate_embedding_dim": 16, "gate_position": "kv", "qk_norm": True, **QK_NORM},
+    # Gemma 3's layers (absorbed decode), and a windowed layer whose rebuilt keys turn with its own base.
+    "gemma": {"gate_embedding_dim": 0, "gate_position": "latent", "qk_norm": True, **QK_NORM, **GEMMA_LAYERS},
+    "windowed-exact-gate-kv": {"gate_embedding_dim": 16, "gate_position": "kv", "rope_mode": "exact", **GEMMA_LAYERS},
 }
 
 TINY = {
