@@ -70,10 +70,10 @@ class EGMLARotaryEmbedding(nn.Module):
         self.config = config
         self.rope_theta = rope_theta
         self.rope_type = "default" if rope_theta is not None else config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(config, rope_theta=rope_theta)
+        if self.rope_type == "default":
+            inv_freq, self.attention_scaling = self.compute_default_rope_parameters(config, rope_theta=rope_theta)
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
 
@@ -799,6 +799,7 @@ class EGMLAAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.scaling = layout.scaling
         self.is_causal = True
+        self.sliding_window = config.layer_window(layer_idx)  # the model's masks apply it; read by conversion
         self.num_key_value_groups = layout.num_key_value_groups  # query heads per key head (GQA)
 
         self.key_norm_heads = layout.key_norm_heads
@@ -1402,6 +1403,10 @@ class EGMLAPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, EGMLAGateTable):
             init.normal_(module.weight, mean=0.0, std=1.0)
+        elif isinstance(module, EGMLARotaryEmbedding) and module.rope_theta is not None:  # the base of its own
+            inv_freq, _ = module.compute_default_rope_parameters(module.config, rope_theta=module.rope_theta)
+            init.copy_(module.inv_freq, inv_freq)
+            init.copy_(module.original_inv_freq, inv_freq)
         else:
             super()._init_weights(module)
 
@@ -1427,6 +1432,11 @@ class EGMLAModel(EGMLAPreTrainedModel):
             self.sliding_rotary_emb = EGMLARotaryEmbedding(config, rope_theta=config.sliding_rope_theta)
         self.gradient_checkpointing = False
         self.post_init()
+
+    def rotary_of(self, layer_idx: int) -> EGMLARotaryEmbedding:
+        """The rotary embedding layer `layer_idx` turns its queries and keys with."""
+        windowed = self.config.layer_window(layer_idx) is not None
+        return self.sliding_rotary_emb if windowed and self.sliding_rotary_emb is not None else self.rotary_emb
 
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
         """Out-of-range ids would index past the embedding and gate tables: refuse them with a clear error.
