@@ -157,6 +157,14 @@ class EGMLAConfig(PreTrainedConfig):
         qk_norm_head_dim: the width each query and key norm acts over (the source's head_dim; with `qk_norm`).
         qk_norm_key_heads: the key heads whose scales are cached (the source's; each serves an equal group of
             `num_key_value_heads`; with `qk_norm`).
+        sandwich_norms: RMS norms on the attention's and the MLP's outputs too (`attention_output_norm`,
+            `mlp_output_norm`), before each joins the residual stream (Gemma 3's four norms per layer).
+        embedding_multiplier: the token embeddings are multiplied by it (Gemma 3: `sqrt(hidden_size)`).
+        sliding_window: how many positions a windowed layer attends to: a query at position i sees keys at
+            i - sliding_window < j <= i (transformers' convention); None = no windowed layer.
+        sliding_window_layers: the layers that attend within `sliding_window` (Gemma 3: five of every six).
+        sliding_rope_theta: the RoPE base of the windowed layers (Gemma 3's `rope_local_base_freq`, default rope
+            type); None = the same rotary as the other layers.
         attention_bias: biases on the query projection (`q_proj`, or `q_a_proj`), the latent and rope key
             (`kv_a_proj_with_mqa`) and the output (`o_proj`), as DeepSeek-V3's; a Qwen2 source's q/k/v biases are
             converted into them.
@@ -201,6 +209,11 @@ class EGMLAConfig(PreTrainedConfig):
     qk_norm: bool = False
     qk_norm_head_dim: int | None = validated_field(positive_or_none, default=None)
     qk_norm_key_heads: int | None = validated_field(positive_or_none, default=None)
+    sandwich_norms: bool = False
+    embedding_multiplier: float = validated_field(positive, default=1.0)
+    sliding_window: int | None = validated_field(positive_or_none, default=None)
+    sliding_window_layers: list[int] | None = None
+    sliding_rope_theta: float | None = validated_field(positive_or_none, default=None)
     attention_bias: bool = False
     hidden_act: str = validated_field(activation, default="silu")
     max_position_embeddings: int = validated_field(positive, default=2048)
@@ -266,6 +279,10 @@ class EGMLAConfig(PreTrainedConfig):
     def num_gate_tables(self) -> int:
         return self.num_hidden_layers // self.gate_layers_per_table if self.gate_enabled else 0
 
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The window layer `layer_idx` attends within, None where it sees the whole context."""
+        return self.sliding_window if layer_idx in (self.sliding_window_layers or ()) else None
+
     def layer_kv_lora_rank(self, layer_idx: int) -> int:
         return self.kv_lora_rank[layer_idx] if isinstance(self.kv_lora_rank, list) else self.kv_lora_rank
 
@@ -323,6 +340,13 @@ class EGMLAConfig(PreTrainedConfig):
             "`qk_norm` needs `qk_norm_head_dim` and `qk_norm_key_heads` (dividing `num_key_value_heads` "
             f"{self.num_key_value_heads}) and no `q_lora_rank`; got {self.qk_norm_head_dim}, {self.qk_norm_key_heads}, "
             f"{self.q_lora_rank}.",
+        )
+        windowed = self.sliding_window_layers
+        require(
+            windowed is None
+            or (self.sliding_window is not None and all(0 <= index < layers for index in windowed)),
+            f"`sliding_window_layers` ({windowed}) needs a `sliding_window` ({self.sliding_window}) and layer indices "
+            f"in [0, num_hidden_layers={layers}).",
         )
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)

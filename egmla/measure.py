@@ -91,7 +91,8 @@ def filled_cache(model: torch.nn.Module, cache_kind: str, batch_size: int, conte
 @dataclass
 class DecodeState:
     """A model, its filled cache and the forward to time; `step()` decodes one token at the context's end and crops
-    the cache back, so every timed step sees the same context."""
+    the cache back, so every timed step sees the same context (a cache with windowed layers, which cannot be
+    cropped, grows by the few timed tokens)."""
 
     forward: object
     cache: object
@@ -100,7 +101,10 @@ class DecodeState:
 
     def step(self) -> None:
         self.forward(self.token, cache=self.cache, position_ids=self.position, use_cache=True)
-        self.cache.crop(-1)
+        if any(self.cache.is_sliding):  # a windowed layer's cache cannot be cropped: the context grows a token a step
+            self.position = self.position + 1
+        else:
+            self.cache.crop(-1)
 
 
 def decode_state(model: torch.nn.Module, cache_kind: str, batch_size: int, context: int) -> DecodeState:

@@ -18,7 +18,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticLayer
 from transformers.generation import GenerationMixin
 from transformers.integrations.sdpa_attention import repeat_kv
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
@@ -60,24 +60,28 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 
 class EGMLARotaryEmbedding(nn.Module):
     """Rotary cos/sin [B, S, F] over F = `rope_frequency_dim` dims (the config's `head_dim`, which the rope
-    utilities read); the model then picks each rope key head's dims out of them."""
+    utilities read); the model then picks each rope key head's dims out of them. `rope_theta`: a default-type
+    rotary of that base instead of the config's (the windowed layers', `sliding_rope_theta`)."""
 
-    def __init__(self, config: EGMLAConfig):
+    def __init__(self, config: EGMLAConfig, rope_theta: float | None = None):
         super().__init__()
         self.max_seq_len_cached = config.max_position_embeddings
         self.original_max_seq_len = config.max_position_embeddings
         self.config = config
-        self.rope_type = config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.rope_theta = rope_theta
+        self.rope_type = "default" if rope_theta is not None else config.rope_parameters["rope_type"]
+        if self.rope_type == "default":
+            inv_freq, self.attention_scaling = self.compute_default_rope_parameters(config, rope_theta=rope_theta)
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
 
     @staticmethod
-    def compute_default_rope_parameters(config: EGMLAConfig, **kwargs) -> tuple[torch.Tensor, float]:
-        base = config.rope_parameters["rope_theta"]
+    def compute_default_rope_parameters(
+        config: EGMLAConfig, rope_theta: float | None = None, **kwargs
+    ) -> tuple[torch.Tensor, float]:
+        base = rope_theta or config.rope_parameters["rope_theta"]
         dim = config.head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
@@ -795,6 +799,7 @@ class EGMLAAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.scaling = layout.scaling
         self.is_causal = True
+        self.sliding_window = config.layer_window(layer_idx)  # the model's masks apply it; read by conversion
         self.num_key_value_groups = layout.num_key_value_groups  # query heads per key head (GQA)
 
         self.key_norm_heads = layout.key_norm_heads
@@ -1298,6 +1303,10 @@ class EGMLADecoderLayer(GradientCheckpointingLayer):
         self.mlp = EGMLAMLP(config)
         self.input_layernorm = EGMLARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = EGMLARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention_output_norm = self.mlp_output_norm = None  # `sandwich_norms`: on each output (Gemma 3)
+        if config.sandwich_norms:
+            self.attention_output_norm = EGMLARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.mlp_output_norm = EGMLARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -1322,8 +1331,16 @@ class EGMLADecoderLayer(GradientCheckpointingLayer):
             key_position_embeddings=key_position_embeddings,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        if self.attention_output_norm is not None:
+            hidden_states = self.attention_output_norm(hidden_states)
+        return self.mlp_block(residual + hidden_states)
+
+    def mlp_block(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The layer after its attention joined the residual stream: the normed MLP, added to it."""
+        output = self.mlp(self.post_attention_layernorm(hidden_states))
+        if self.mlp_output_norm is not None:
+            output = self.mlp_output_norm(output)
+        return hidden_states + output
 
 
 class EGMLAPreTrainedModel(PreTrainedModel):
@@ -1386,6 +1403,10 @@ class EGMLAPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, EGMLAGateTable):
             init.normal_(module.weight, mean=0.0, std=1.0)
+        elif isinstance(module, EGMLARotaryEmbedding) and module.rope_theta is not None:  # the base of its own
+            inv_freq, _ = module.compute_default_rope_parameters(module.config, rope_theta=module.rope_theta)
+            init.copy_(module.inv_freq, inv_freq)
+            init.copy_(module.original_inv_freq, inv_freq)
         else:
             super()._init_weights(module)
 
@@ -1406,8 +1427,16 @@ class EGMLAModel(EGMLAPreTrainedModel):
         self.layers = nn.ModuleList(EGMLADecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = EGMLARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = EGMLARotaryEmbedding(config)
+        self.sliding_rotary_emb = None  # the windowed layers' own base (`sliding_rope_theta`)
+        if config.sliding_rope_theta is not None:
+            self.sliding_rotary_emb = EGMLARotaryEmbedding(config, rope_theta=config.sliding_rope_theta)
         self.gradient_checkpointing = False
         self.post_init()
+
+    def rotary_of(self, layer_idx: int) -> EGMLARotaryEmbedding:
+        """The rotary embedding layer `layer_idx` turns its queries and keys with."""
+        windowed = self.config.layer_window(layer_idx) is not None
+        return self.sliding_rotary_emb if windowed and self.sliding_rotary_emb is not None else self.rotary_emb
 
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
         """Out-of-range ids would index past the embedding and gate tables: refuse them with a clear error.
@@ -1459,6 +1488,8 @@ class EGMLAModel(EGMLAPreTrainedModel):
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+            if self.config.embedding_multiplier != 1.0:  # in the embeddings' dtype, as Gemma's scaled embedding
+                inputs_embeds = inputs_embeds * torch.tensor(self.config.embedding_multiplier, dtype=inputs_embeds.dtype)
 
         if self.layers[0].gradient_checkpointing and self.training and torch.is_grad_enabled():
             # The checkpointed layers drop the cache: drop it here too, before the gate's token ids are appended.
@@ -1471,28 +1502,27 @@ class EGMLAModel(EGMLAPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-        )
+        masks = attention_masks(self.config, inputs_embeds, attention_mask, cache, position_ids)
 
         gate_rows = []
         if self.config.gate_enabled:  # looked up once, on the distinct tokens, for every layer and path
             gate_rows = look_up_gate_rows(self.gate_embeddings, context_token_ids(cache, input_ids, self.config))
 
         hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)  # cos, sin [B, S, F]
-        key_position_embeddings = None  # "exact" rope: cos, sin [B, T, F] at every cached token's position
+        positions = None  # "exact" rope: every cached token's position [B, T], its keys turned by it
         if self.config.caches_positions and cache is not None:
             positions = context_positions(cache, position_ids, inputs_embeds.shape[0], self.config)
-            key_position_embeddings = self.rotary_emb(hidden_states, position_ids=positions)
+        rotations = {}  # per rotary: cos, sin [B, S, F] of the new tokens, and [B, T, F] of the cached ones
+        for windowed, rotary in ((False, self.rotary_emb), (True, self.sliding_rotary_emb)):
+            if rotary is not None:
+                keys = rotary(hidden_states, position_ids=positions) if positions is not None else None
+                rotations[windowed] = (rotary(hidden_states, position_ids=position_ids), keys)
         for layer_idx, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            windowed = self.config.layer_window(layer_idx) is not None
+            position_embeddings, key_position_embeddings = rotations.get(windowed, rotations[False])
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask,
+                attention_mask=masks[windowed],
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
@@ -1504,6 +1534,25 @@ class EGMLAModel(EGMLAPreTrainedModel):
 
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+
+def attention_masks(
+    config: EGMLAConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | dict | None,
+    cache: Cache | None,
+    position_ids: torch.Tensor,
+) -> dict[bool, torch.Tensor | None]:
+    """The mask of the full layers (False) and, with windowed layers, of theirs (True); a dict given (by
+    `create_masks_for_generate`) is used as it is."""
+    if isinstance(attention_mask, dict):
+        return attention_mask
+    arguments = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+                     position_ids=position_ids)  # fmt: skip
+    masks = {False: create_causal_mask(**arguments)}
+    if config.sliding_window_layers:
+        masks[True] = create_sliding_window_causal_mask(**arguments)
+    return masks
 
 
 class EGMLAForCausalLM(EGMLAPreTrainedModel, GenerationMixin):
@@ -1524,7 +1573,8 @@ class EGMLAForCausalLM(EGMLAPreTrainedModel, GenerationMixin):
         """The mask `generate` builds before each step over a static cache: the one `EGMLAModel.forward` builds."""
         # The default passes our layer type's 2-D mask through, a position longer every step (a compiled step
         # recompiles); this one is [B, 1, S, max_cache_len] at every step.
-        return create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids)
+        masks = attention_masks(config, inputs_embeds, attention_mask, cache, position_ids)
+        return masks if config.sliding_window_layers else masks[False]
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from egmla import EGMLAConfig, EGMLAForCausalLM
 from egmla.cli import main
@@ -18,7 +18,6 @@ from tests.utils import (
     tiny_llama,
     tiny_model,
     tiny_source,
-    tiny_values,
     with_tokenizer,
 )
 from tests.utils import folder_digest as digest
@@ -34,8 +33,8 @@ def mistral_with_a_short_window(tmp: Path) -> tuple[Path, list[str]]:
     return with_tokenizer(tmp / "src"), FAST
 
 
-def a_qk_norm_model(tmp: Path) -> tuple[Path, list[str]]:
-    Gemma3ForCausalLM(Gemma3TextConfig(**tiny_values(vocab_size=512))).save_pretrained(tmp / "src")
+def a_gemma3_with_logit_softcapping(tmp: Path) -> tuple[Path, list[str]]:
+    tiny_source("gemma3", vocab_size=512, attn_logit_softcapping=50.0).save_pretrained(tmp / "src")
     return with_tokenizer(tmp / "src"), FAST
 
 
@@ -95,7 +94,7 @@ def nan_weights(tmp: Path) -> tuple[Path, list[str]]:
 CONVERSION_ROWS = [
     ("a folder that is not a Llama", not_a_llama, "'gpt2' checkpoint; only Llama"),
     ("a sliding window shorter than the context", mistral_with_a_short_window, "sliding-window attention"),
-    ("a QK-norm model not carried yet (Gemma 3)", a_qk_norm_model, "'gemma3_text' checkpoint.*QK-norm"),
+    ("a Gemma 3 with what egmla does not carry", a_gemma3_with_logit_softcapping, "attn_logit_softcapping=50.0"),
     ("missing weights", missing_weights, "Could not read the weights.*model.safetensors"),
     ("corrupt weights", corrupt_weights, "Could not read the weights.*re-download"),
     ("a tokenizer missing", missing_tokenizer, "Could not load a tokenizer.*tokenizer files"),

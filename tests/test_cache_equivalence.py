@@ -592,3 +592,19 @@ def test_absorbed_decode_by_sdpa_equals_the_batched_products(mode):
                 torch.testing.assert_close(out.logits[1], full[1, start:end], rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(out.logits[0], full[0, start:end], rtol=1e-4, atol=1e-4)
                 assert (out.attentions is not None) == need_weights
+
+
+def test_a_windowed_layer_sees_only_its_window():
+    """One windowed layer (Gemma 3's local attention): a token's logits depend on the last `sliding_window` tokens
+    only, with or without a cache."""
+    model = tiny_model(**{**MODES["gemma"], "num_hidden_layers": 1, "sliding_window_layers": [0]})
+    input_ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    changed = input_ids.clone()
+    changed[0, 0] = 3 if input_ids[0, 0] != 3 else 4
+    with torch.no_grad():
+        logits, changed_logits = model(input_ids).logits, model(changed).logits
+        cached = incremental_logits(model, changed, prefill=3, cache=EGMLACache(model.config))
+    window = model.config.sliding_window
+    assert not torch.allclose(logits[:, :window], changed_logits[:, :window])
+    torch.testing.assert_close(logits[:, window:], changed_logits[:, window:], rtol=0, atol=1e-5)
+    torch.testing.assert_close(cached, changed_logits, rtol=1e-4, atol=1e-4)

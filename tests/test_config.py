@@ -39,6 +39,11 @@ from tests.utils import tiny_config
         ({"bos_token_id": -1}, "bos_token_id"),
         ({"rope_parameters": {"rope_type": "nosuch", "rope_theta": 10000.0}}, "rope_parameters"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0}}, "rope_parameters"),
+        ({"embedding_multiplier": 0.0}, "embedding_multiplier"),
+        ({"sliding_window": 0}, "sliding_window"),
+        ({"sliding_window_layers": [0]}, "sliding_window_layers"),
+        ({"sliding_window": 4, "sliding_window_layers": [2]}, "sliding_window_layers"),
+        ({"sliding_rope_theta": -1.0}, "sliding_rope_theta"),
     ],
 )
 def test_bad_values_raise_value_error_naming_the_field(overrides, field):

@@ -1,17 +1,20 @@
-"""Sources of every accepted family (Llama with or without attention biases, Mistral, Qwen2 with q/k/v biases, Qwen3 with QK-norm)
-convert exactly at full rank in every rope mode; windows that do not cover the context and QK-norm families are
-refused by name."""
+"""Sources of every accepted family (Llama with or without attention biases, Mistral, Qwen2 with q/k/v biases, Qwen3 with
+QK-norm, Gemma 3 with QK-norm, four norms, windowed layers and a scaled embedding) convert exactly at full rank in every
+rope mode; windows that do not cover the context (outside Gemma 3) and the QK-norm families not carried are refused by
+name."""
 
 import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import AutoModelForCausalLM
 
 from egmla.cli import main
 from egmla.conversion import AttentionShape, ConversionOptions, attention_shape, convert_llama_to_egmla, load_llama
 from egmla.conversion.convert import resolve_budget
+from egmla.conversion.source import check_family
 from tests.utils import (
+    GEMMA3,
     SOURCE_FAMILIES,
     TOKENIZER_SIZE,
     assert_same_model,
@@ -30,13 +33,14 @@ FULL_RANK = {
 
 
 @pytest.mark.parametrize("mode", FULL_RANK)
-@pytest.mark.parametrize("family", ["llama-bias", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama-bias", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_a_source_of_each_family_converts_exactly_at_full_rank(family, mode):
     teacher = tiny_source(family)
     calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
     student = convert_llama_to_egmla(teacher, ConversionOptions(**FULL_RANK[mode], gate_embedding_dim=8), calibration)
     assert student.config.attention_bias == (family in ("llama-bias", "qwen2"))
-    assert student.config.qk_norm == (family == "qwen3")
+    assert student.config.qk_norm == (family in ("qwen3", "gemma3"))
+    assert student.config.sliding_window_layers == ([0] if family == "gemma3" else None)
     input_ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert_same_model(student, teacher, input_ids)
@@ -58,15 +62,20 @@ def test_a_qwen2_source_keeps_its_biases_where_they_act():
         assert (student(input_ids).logits - teacher(input_ids).logits).abs().max() > 1e-2
 
 
-def test_windows_shorter_than_the_context_and_qk_norm_are_refused_by_name():
+def test_windows_shorter_than_the_context_and_what_is_not_carried_are_refused_by_name():
     with pytest.raises(ValueError, match="sliding-window attention .sliding_window=32 < max_position_embeddings=128"):
         load_llama(tiny_source("mistral", sliding_window=32))
     with pytest.raises(ValueError, match="sliding-window"):
         load_llama(tiny_source("qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=0))
     load_llama(tiny_source("mistral", sliding_window=128))  # a window over the whole context changes nothing
-    gemma3 = Gemma3ForCausalLM(Gemma3TextConfig(**tiny_values()))
-    with pytest.raises(ValueError, match="'gemma3_text'.*QK-norm.*converts for Qwen3.*not carried yet"):
-        load_llama(gemma3)
+    with pytest.raises(ValueError, match="'gemma3'.*QK-norm.*Gemma 3's text model.*not carried yet"):
+        check_family("gemma3", "a multimodal Gemma 3")
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0"):
+        load_llama(tiny_source("gemma3", attn_logit_softcapping=50.0))
+    local_yarn = {**GEMMA3["rope_parameters"], "sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 1e4}}  # fmt: skip
+    with pytest.raises(ValueError, match="windowed layers use 'linear' rope"):
+        load_llama(tiny_source("gemma3", rope_parameters=local_yarn))
 
 
 def library_default_source(family: str, folder, head_dim: int | None, vocab_size: int = 96):
@@ -155,3 +164,29 @@ def test_egmla_convert_of_a_qwen3_folder_counts_its_key_norm_scales(tmp_path):
     report = json.loads((out / "conversion_report.json").read_text())
     assert report["kv"]["source"] == 2 * 2 * 16 and report["kv"]["converted"] == 32  # half, the 2 scales included
     assert report["decode"]["arithmetic"]["values_per_token_per_layer"] == 32
+
+
+def test_egmla_convert_of_a_gemma3_folder_keeps_its_layers_and_windows(tmp_path):
+    """The command on a Gemma 3 folder (split search, gate and layer-wise fit, scoring): the saved model carries the
+    norms, the embedding scale and the windows with their own RoPE base, and loads back to the same logits; at full
+    rank (the budget of every key and value row, "exact") it equals its source."""
+    teacher = tiny_source("gemma3", vocab_size=TOKENIZER_SIZE["gemma3"])
+    teacher.save_pretrained(tmp_path / "gemma3")
+    folder = with_tokenizer(tmp_path / "gemma3")
+    out = tmp_path / "out"
+    main(["convert", str(folder), "--out", str(out), "--kv-cut", "0.5", "--reconstruction-steps", "5", "--steps", "0",
+          "--gate-embedding-dim", "8", "--gate-position", "kv", "--calibration-blocks", "4", "--block-size", "32",
+          "--eval-documents", "2"])  # fmt: skip
+    converted = AutoModelForCausalLM.from_pretrained(out).eval()
+    config = converted.config
+    assert config.sandwich_norms and config.qk_norm and config.embedding_multiplier == 64**0.5
+    assert (config.sliding_window, config.sliding_window_layers, config.sliding_rope_theta) == (24, [0], 1e4)
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert report["kv"]["converted"] == report["kv"]["source"] // 2
+    full = tmp_path / "full"
+    main(["convert", str(folder), "--out", str(full), "--kv-lora-rank", "64", "--rope-split", "exact", "--steps", "0",
+          "--reconstruction-steps", "0", "--gate-embedding-dim", "0", "--calibration-blocks", "4", "--block-size", "32",
+          "--eval-documents", "2"])  # fmt: skip
+    input_ids = torch.randint(3, 96, (2, 60), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_same_model(AutoModelForCausalLM.from_pretrained(full).eval(), teacher, input_ids)

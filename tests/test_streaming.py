@@ -223,7 +223,7 @@ def test_the_streamed_layer_wise_fit_equals_the_whole_model_one(tmp_path, family
 GATED_ENERGY = ["--gate-embedding-dim", "8", "--gate-position", "kv", "--rank-allocation", "energy"]
 
 
-@pytest.mark.parametrize(("family", "extra"), [("llama", []), ("qwen2", []), ("qwen3", []), ("llama", GATED_ENERGY)])
+@pytest.mark.parametrize(("family", "extra"), [("llama", []), ("qwen2", []), ("qwen3", []), ("gemma3", GATED_ENERGY), ("llama", GATED_ENERGY)])
 def test_streamed_and_whole_model_conversions_with_the_same_options_give_equal_weights(tmp_path, family, extra):
     """`egmla convert` of one source with one set of options, the split left to the search: the whole-model
     conversion and the streamed one write the same tensors (in closed form: the whole-model conversion keeps a

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -29,6 +31,10 @@ if not TINYSTORIES.exists():
     TINYSTORIES = Path(__file__).resolve().parents[1] / "egmla" / "data" / "tinystories_excerpt.txt"
 
 QK_NORM = {"qk_norm_head_dim": 12, "qk_norm_key_heads": 2}
+# Gemma 3's layer: norms on the attention's and MLP's outputs, a scaled embedding, GELU-tanh, and a windowed layer
+# with its own RoPE base (a window shorter than the tests' sequences).
+GEMMA_LAYERS = {"sandwich_norms": True, "embedding_multiplier": 8.0, "hidden_act": "gelu_pytorch_tanh",
+                "sliding_window": 5, "sliding_window_layers": [0], "sliding_rope_theta": 100.0}  # fmt: skip
 # The cache modes: gate off (plain MLA, both decode paths), gate on the up-projected K/V, gate on the latent;
 # each with the decoupled rope key, and with the RoPE-exact latent.
 MODES = {
@@ -44,6 +50,9 @@ MODES = {
     # absorbed decode, and the rebuilding one.
     "qk-norm": {"gate_embedding_dim": 0, "gate_position": "latent", "qk_norm": True, **QK_NORM},
     "qk-norm-gate-kv": {"gate_embedding_dim": 16, "gate_position": "kv", "qk_norm": True, **QK_NORM},
+    # Gemma 3's layers (absorbed decode), and a windowed layer whose rebuilt keys turn with its own base.
+    "gemma": {"gate_embedding_dim": 0, "gate_position": "latent", "qk_norm": True, **QK_NORM, **GEMMA_LAYERS},
+    "windowed-exact-gate-kv": {"gate_embedding_dim": 16, "gate_position": "kv", "rope_mode": "exact", **GEMMA_LAYERS},
 }
 
 TINY = {
@@ -139,15 +148,28 @@ SOURCE_FAMILIES = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
+# A tiny Gemma 3: a windowed layer (with its own RoPE base) and a full one, a window shorter than the tests' inputs,
+# an attention scalar other than its head_dim.
+GEMMA3 = {
+    "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": 24,
+    "query_pre_attn_scalar": 24,
+    "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+}  # fmt: skip
 
 
 def tiny_source(family: str, rope_parameters: dict | None = None, **overrides) -> PreTrainedModel:
     """A random GQA model of a convertible family, shaped as `tiny_llama`: "llama", "llama-bias" (attention_bias),
-    "mistral", "qwen2" (q/k/v biases) or "qwen3" (QK-norm); biases and QK-norm weights drawn at random, not left at
-    their initialization."""
+    "mistral", "qwen2" (q/k/v biases), "qwen3" (QK-norm) or "gemma3" (`GEMMA3`); biases and norm weights drawn at
+    random, not left at their initialization."""
     config_class, model_class = SOURCE_FAMILIES[family]
-    values = tiny_values(rope_parameters, **({"attention_bias": True} if family == "llama-bias" else {}), **overrides)
+    family_values = {**{"llama-bias": {"attention_bias": True}, "gemma3": GEMMA3}.get(family, {}), **overrides}
+    rope_parameters = family_values.pop("rope_parameters", None) if rope_parameters is None else rope_parameters
+    family_values.pop("rope_parameters", None)
+    values = tiny_values(rope_parameters, **family_values)
     torch.manual_seed(0)
     model = model_class(config_class(**values)).eval()
     with torch.no_grad():
@@ -158,6 +180,10 @@ def tiny_source(family: str, rope_parameters: dict | None = None, **overrides) -
             for norm in (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)):
                 if norm is not None:
                     norm.weight.normal_(mean=1.0, std=0.3)
+        if family == "gemma3":  # every norm scales by 1 + its weight, which starts at zero
+            for name, parameter in model.named_parameters():
+                if "norm" in name:
+                    parameter.normal_(mean=0.0, std=0.3)
     return model
 
 
@@ -203,7 +229,7 @@ FAST = ["--kv-lora-rank", "16", "--rope-split", "exact", "--reconstruction-steps
 
 
 # The stories260K tokenizer's size in each family's folder: Qwen2's tokenizer class adds <|endoftext|> (id 512).
-TOKENIZER_SIZE = {"llama": 512, "llama-bias": 512, "mistral": 512, "qwen2": 513, "qwen3": 512}
+TOKENIZER_SIZE = {"llama": 512, "llama-bias": 512, "mistral": 512, "qwen2": 513, "qwen3": 512, "gemma3": 512}
 
 
 def with_tokenizer(folder: Path) -> Path:

@@ -8,6 +8,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
+from .families import attention_added, layer_mask, layer_rotary, mlp_block, norm_eps, norm_weight
 from .source import attention_shape
 
 
@@ -45,7 +46,7 @@ def normed_heads(norm: torch.nn.Module | None, states: torch.Tensor, heads: int)
     if norm is None:
         return states
     shaped = states.view(len(states), heads, -1)
-    normed = torch.nn.functional.rms_norm(shaped, shaped.shape[-1:], norm.weight.float(), norm.variance_epsilon)
+    normed = torch.nn.functional.rms_norm(shaped, shaped.shape[-1:], norm_weight(norm).float(), norm_eps(norm))
     return normed.view(len(states), -1)
 
 
@@ -128,7 +129,7 @@ def normed_weight(attention: torch.nn.Module, which: str) -> torch.Tensor:
     has one."""
     weight = getattr(attention, f"{which}_proj").weight.detach().T
     norm = getattr(attention, f"{which}_norm", None)
-    return weight if norm is None else weight * norm.weight.detach().repeat(weight.shape[1] // len(norm.weight))
+    return weight if norm is None else weight * norm_weight(norm).repeat(weight.shape[1] // len(norm.weight))
 
 
 def weight_statistics(model: LlamaForCausalLM) -> list[LayerStatistics]:
@@ -167,29 +168,30 @@ class SourceLayer(NamedTuple):
 
     hidden: torch.Tensor  # the residual stream entering the layer
     normed: torch.Tensor  # its normed attention input
-    attention: torch.Tensor  # the attention block's output on it
+    attention: torch.Tensor  # the attention's output on it (before an output norm: `families.attention_added`)
 
 
 @torch.no_grad()  # the source is never trained: its streams are targets, whatever its parameters' requires_grad
 def source_attention(layer: torch.nn.Module, hidden: torch.Tensor, rotary) -> SourceLayer:
-    """What one source decoder layer's attention reads and adds on the residual stream `hidden` [N, S, D]."""
+    """What one source decoder layer's attention reads and outputs on the residual stream `hidden` [N, S, D]."""
     normed = layer.input_layernorm(hidden)
-    return SourceLayer(hidden, normed, layer.self_attn(normed, rotary, None)[0])
+    mask = layer_mask(layer.self_attn, hidden.shape[1], hidden.dtype, hidden.device)  # a windowed layer's
+    return SourceLayer(hidden, normed, layer.self_attn(normed, rotary, mask)[0])
 
 
 @torch.no_grad()
 def source_layer_pass(layer: torch.nn.Module, hidden: torch.Tensor, rotary) -> tuple[SourceLayer, torch.Tensor]:
     """`source_attention`, and the stream after the whole layer."""
     inputs = source_attention(layer, hidden, rotary)
-    after = hidden + inputs.attention
-    return inputs, after + layer.mlp(layer.post_attention_layernorm(after))
+    return inputs, mlp_block(layer, hidden + attention_added(layer, inputs.attention))
 
 
 @torch.no_grad()  # on a generator, torch switches grad off around each step only: the caller's mode is its own
 def source_layers(model: LlamaForCausalLM, blocks: torch.Tensor):
     """Yields the source's `SourceLayer` of every layer, first to last, on token blocks [N, S]."""
     hidden = model.model.embed_tokens(blocks)
-    rotary = model.model.rotary_emb(hidden, torch.arange(blocks.shape[1])[None])
-    for layer in model.model.layers:
+    positions = torch.arange(blocks.shape[1])[None]
+    for layer_idx, layer in enumerate(model.model.layers):
+        rotary = layer_rotary(model.model.rotary_emb, model.config, layer_idx)(hidden, positions)
         source, hidden = source_layer_pass(layer, hidden, rotary)
         yield source

@@ -23,8 +23,10 @@ from transformers import LlamaForCausalLM
 from ..configuration_egmla import GATE_POSITIONS, EGMLAConfig
 from ..modeling_egmla import EGMLAForCausalLM
 from ..options import check_fields, option
+from . import families
 from .calibration import LayerStatistics
 from .factorization import FACTORIZATIONS, RANK_ALLOCATIONS, Factorization, allocate_ranks, factorize, output_weights
+from .families import norm_weight
 from .rope import PAIR_SELECTIONS, RopeSplit, llama_rope_parameters, split_rope
 from .source import attention_shape, key_norm_heads
 
@@ -226,8 +228,8 @@ def source_rows(attention: torch.nn.Module, raw: bool = False) -> tuple[torch.Te
     key = projection_rows(attention.k_proj, shape.key_heads, biased)
     value = projection_rows(attention.v_proj, shape.key_heads, biased)
     if has_qk_norm(attention) and not raw:
-        query = query * attention.q_norm.weight.detach().double().cpu()[None, :, None]
-        key = key * attention.k_norm.weight.detach().double().cpu()[None, :, None]
+        query = query * norm_weight(attention.q_norm).double().cpu()[None, :, None]
+        key = key * norm_weight(attention.k_norm).double().cpu()[None, :, None]
     if biased:
         value[..., -1] = 0
     return query, key, value
@@ -310,7 +312,7 @@ def student_config(source: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConfi
         qk_norm=qk_norm,
         qk_norm_head_dim=shape.head_dim if qk_norm else None,
         qk_norm_key_heads=shape.key_heads if qk_norm else None,
-        hidden_act=config.hidden_act,
+        hidden_act=families.hidden_act(config),
         max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.rms_norm_eps,
         tie_word_embeddings=config.tie_word_embeddings,
@@ -323,14 +325,15 @@ def student_config(source: LlamaForCausalLM, plan: ConversionPlan) -> EGMLAConfi
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
         initializer_range=config.initializer_range,
+        **families.student_fields(config),
     )
 
 
 def attention_state(source: LlamaForCausalLM, plan: ConversionPlan) -> dict[str, torch.Tensor]:
     """The student's attention weights per layer from the plan's splits and truncated (down, up) factors."""
-    scaling = source.model.rotary_emb.attention_scaling
-    state = {}
+    state, rotary = {}, source.model.rotary_emb
     for layer_idx, (layer, planned) in enumerate(zip(source.model.layers, plan.layers, strict=True)):
+        scaling = families.attention_factor(rotary, source.config, layer_idx)
         state.update(layer_attention_state(layer_idx, layer.self_attn, plan, planned, scaling))
     return state
 
@@ -345,8 +348,9 @@ def layer_attention_state(
     shape = attention_shape(source)
     head_dim, key_heads, query_heads = shape.head_dim, shape.key_heads, shape.query_heads
     group = query_heads // key_heads
-    # The student's softmax scale is 1/sqrt(dn + dr), the source's 1/sqrt(hd): the queries make up the difference.
-    query_factor = ((budget.nope_dim + 2 * budget.rope_pairs) / head_dim) ** 0.5
+    # The student's softmax scale is 1/sqrt(dn + dr), the source's its own (1/sqrt(hd), Gemma 3's
+    # 1/sqrt(query_pre_attn_scalar)): the queries make up the difference.
+    query_factor = attention.scaling * (budget.nope_dim + 2 * budget.rope_pairs) ** 0.5
     # The source scales whole heads by the rope's attention factor (YaRN); NoPE dims must keep it. In "exact"
     # mode the rows in the NoPE slot are every dim of the head, rotated (and so scaled) as in the source.
     nope_factor = query_factor * (1.0 if options.rope_split == "exact" else attention_scaling**2)
@@ -376,7 +380,7 @@ def qk_norm_state(prefix: str, attention: torch.nn.Module, queries: list[torch.T
     hidden_size = attention.config.hidden_size
     state = linear_state(prefix + "q_proj.", raw_query.flatten(0, 1), hidden_size)
     state |= linear_state(prefix + "k_norm_proj.", raw_key.flatten(0, 1), hidden_size)
-    state[prefix + "q_norm.weight"] = attention.q_norm.weight.detach().float().cpu()
+    state[prefix + "q_norm.weight"] = norm_weight(attention.q_norm).float().cpu()
     maps = [rows @ torch.linalg.pinv(folded) for rows, folded in zip(queries, folded_query, strict=True)]
     state[prefix + "q_head_proj.weight"] = torch.stack(maps).float()
     return state
@@ -414,9 +418,11 @@ def assemble(source: LlamaForCausalLM, config: EGMLAConfig, attention: dict, see
         torch.manual_seed(seed)
         student = EGMLAForCausalLM(config)
     state = dict(attention)
-    for name, tensor in source.state_dict().items():
-        if ".self_attn." not in name and "rotary_emb" not in name:
-            state[name] = tensor
+    for layer_idx, layer in enumerate(source.model.layers):
+        state.update(families.layer_state(source.config, layer_idx, layer))
+    state["model.embed_tokens.weight"] = source.model.embed_tokens.weight
+    state["model.norm.weight"] = norm_weight(source.model.norm)
+    state["lm_head.weight"] = source.lm_head.weight
     missing, unexpected = student.load_state_dict(state, strict=False)
     assert all("gate_" in name for name in missing) and not unexpected, (missing, unexpected)
     if config.tie_word_embeddings:
@@ -432,11 +438,11 @@ def plan_layers(
     if options.rope_split == "auto":
         raise ValueError("rope_split='auto' is resolved by egmla.conversion.plan.plan_conversion before the layers.")
     budget = resolve_budget(source.config, options)
-    inv_freq = source.model.rotary_emb.inv_freq.float().cpu()
     splits, factorizations = [], []
-    for layer, stats in zip(
+    for layer_idx, (layer, stats) in enumerate(zip(
         tqdm(source.model.layers, desc="factorizing", unit="layer", leave=False), statistics, strict=True
-    ):
+    )):  # fmt: skip
+        inv_freq = families.inv_freq(source.model.rotary_emb, source.config, layer_idx)
         split, factorization = factorize_layer(layer.self_attn, stats, inv_freq, budget, options)
         splits.append(split)
         factorizations.append(factorization)

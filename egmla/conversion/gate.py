@@ -26,6 +26,7 @@ from transformers import LlamaForCausalLM
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
 from .calibration import SourceLayer, source_layers
 from .convert import ConversionPlan, source_rows, stacked_rows
+from .families import layer_mask
 from .source import attention_shape
 
 ERROR_BLOCKS = 16  # calibration blocks the attention error is compared on (the least squares uses them all)
@@ -48,7 +49,8 @@ def attention_error(attention, table, inputs: SourceLayer, blocks: torch.Tensor,
     inputs, blocks = SourceLayer(*(tensor[:ERROR_BLOCKS] for tensor in inputs)), blocks[:ERROR_BLOCKS]
     (gate_rows,) = look_up_gate_rows(torch.nn.ModuleList([table]), blocks.to(inputs.normed.device))
     position_embeddings = rotary(inputs.normed, torch.arange(blocks.shape[1], device=inputs.normed.device)[None])
-    output, _ = attention(inputs.normed, position_embeddings, None, gate_rows=gate_rows)
+    mask = layer_mask(attention, blocks.shape[1], inputs.normed.dtype, inputs.normed.device)  # a windowed layer's
+    output, _ = attention(inputs.normed, position_embeddings, mask, gate_rows=gate_rows)
     return (output - inputs.attention).double().square().sum().item()
 
 
@@ -147,7 +149,7 @@ def fit_gate(
         pending.append(gate_layer(attention, layer.self_attn, planned.split, inputs, fit))
         if len(pending) == config.gate_layers_per_table:
             table = student.model.gate_embeddings[layer_idx // config.gate_layers_per_table]
-            rows.append(set_table(table, pending, student.model.rotary_emb, fit))
+            rows.append(set_table(table, pending, student.model.rotary_of(layer_idx), fit))  # one layer a table
             pending = []
     return rows
 

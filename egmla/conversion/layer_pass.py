@@ -19,6 +19,7 @@ from ..modeling_egmla import EGMLAAttention, EGMLAGateTable
 from ..options import Placement
 from ..outputs import replace_atomically
 from ..precision import uses_bf16
+from . import families
 from .calibration import LayerStatistics, source_attention
 from .convert import ConversionOptions, ConversionPlan, LayerPlan, factorize_layer, resolve_budget
 from .factorization import allocate_ranks
@@ -283,9 +284,9 @@ def layer_ranks(source: LayerSource, plan: ConversionPlan, blocks: torch.Tensor,
     if not saved:
         with times.stage("calibration"):
             statistics_pass(source, blocks, store.save_statistics)
-    inv_freq = source.model.model.rotary_emb.inv_freq.float().cpu()
     energies = []
     for layer_idx in tqdm(range(layers), desc="ranking layers", unit="layer", leave=False):
+        inv_freq = families.inv_freq(source.model.model.rotary_emb, source.config, layer_idx)
         with times.stage("factorization"):
             statistics = store.load_statistics(layer_idx)
             attention = source.layer(layer_idx).self_attn

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
@@ -17,6 +18,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from ..configuration_egmla import EGMLAConfig
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
+from . import families
 from .calibration import StatisticsRecorder
 from .convert import ConversionPlan, LayerPlan, factorize_layer, layer_attention_state, layer_plan, student_config
 from .source import SOURCE_CLASSES
@@ -26,6 +28,7 @@ SOURCE_LAYERS = {
     "mistral": MistralDecoderLayer,
     "qwen2": Qwen2DecoderLayer,
     "qwen3": Qwen3DecoderLayer,
+    "gemma3_text": Gemma3DecoderLayer,
 }
 
 
@@ -65,14 +68,16 @@ class ModelLayers:
         self.model, self.config = model, model.config
 
     def embeddings(self) -> torch.Tensor:
-        """The token embeddings [V, D] on the host, in the model's dtype (the streams start there)."""
-        return self.model.model.embed_tokens.weight.detach().cpu()
+        """The token embeddings [V, D] on the host, in the model's dtype, as the layers receive them (the streams
+        start there)."""
+        return families.scaled_embeddings(self.config, self.model.model.embed_tokens.weight.detach().cpu())
 
     def layer(self, layer_idx: int) -> torch.nn.Module:
         return self.model.model.layers[layer_idx]
 
-    def rotary(self, layer: torch.nn.Module) -> torch.nn.Module:
-        return self.model.model.rotary_emb
+    def rotary(self, layer: torch.nn.Module):
+        """The source's rotary embedding as `layer` uses it."""
+        return families.layer_rotary(self.model.model.rotary_emb, self.config, layer.self_attn.layer_idx)
 
     def norm_and_head(self) -> tuple[torch.nn.Module, torch.Tensor]:
         return self.model.model.norm, self.model.lm_head.weight
@@ -91,14 +96,16 @@ class ShardedLayers:
         )
 
     def embeddings(self) -> torch.Tensor:
-        return self.files.read("model.embed_tokens.")["weight"].to(self.placement.torch_dtype)
+        weight = self.files.read("model.embed_tokens.")["weight"].to(self.placement.torch_dtype)
+        return families.scaled_embeddings(self.config, weight)
 
     def layer(self, layer_idx: int) -> torch.nn.Module:
         return source_layer(self.model, self.files, layer_idx, self.placement)
 
-    def rotary(self, layer: torch.nn.Module) -> torch.nn.Module:
-        """The source's rotary embedding, where `layer` runs."""
-        return self.model.model.rotary_emb.to(layer.input_layernorm.weight.device)
+    def rotary(self, layer: torch.nn.Module):
+        """The source's rotary embedding as `layer` uses it, where it runs."""
+        rotary = self.model.model.rotary_emb.to(layer.input_layernorm.weight.device)
+        return families.layer_rotary(rotary, self.config, layer.self_attn.layer_idx)
 
     def outer(self) -> dict[str, torch.Tensor]:
         """The tensors outside the layers: the embeddings, the final norm, the head."""
@@ -112,14 +119,6 @@ class ShardedLayers:
 LayerSource = ModelLayers | ShardedLayers
 
 
-def causal_mask(length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[1, 1, S, S] additive: what every attention implementation of a source layer reads alike."""
-    blocked = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
-    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)[
-        None, None
-    ]
-
-
 @torch.no_grad()
 def run_layer(layer: torch.nn.Module, hidden: torch.Tensor, rotary: torch.nn.Module, record: bool = True):
     """The layer's statistics (None unless `record`) and its outputs on `hidden` [N, S, D] (host), in batches of 8
@@ -128,7 +127,8 @@ def run_layer(layer: torch.nn.Module, hidden: torch.Tensor, rotary: torch.nn.Mod
     recorder = StatisticsRecorder(layer.self_attn) if record else None
     handle = layer.self_attn.q_proj.register_forward_pre_hook(recorder) if record else None
     positions = torch.arange(hidden.shape[1], device=device)[None]
-    mask, outputs = causal_mask(hidden.shape[1], dtype, device), torch.empty_like(hidden)
+    # [1, 1, S, S] additive (within a windowed layer's window): what every attention implementation reads alike
+    mask, outputs = families.layer_mask(layer.self_attn, hidden.shape[1], dtype, device, causal=True), torch.empty_like(hidden)
     rotation = rotary(hidden[:1].to(device), positions)  # [1, S, hd]: the same positions in every batch
     try:
         for start in range(0, len(hidden), batch_size):
@@ -160,19 +160,16 @@ def weightless_source(config) -> torch.nn.Module:
 
 def student_layer_state(source, layer, layer_idx: int, planned: LayerPlan, plan) -> dict[str, torch.Tensor]:
     """The student's tensors of one layer: the converted attention and the source's MLP and norms as they are."""
-    state = layer_attention_state(layer_idx, layer.self_attn, plan, planned, source.model.rotary_emb.attention_scaling)
-    prefix = f"model.layers.{layer_idx}."
-    for name, tensor in layer.state_dict().items():
-        if not name.startswith("self_attn."):
-            state[prefix + name] = tensor
-    return state
+    scaling = families.attention_factor(source.model.rotary_emb, source.config, layer_idx)
+    state = layer_attention_state(layer_idx, layer.self_attn, plan, planned, scaling)
+    return state | families.layer_state(source.config, layer_idx, layer)
 
 
 def convert_layer(source, layer, layer_idx: int, statistics, plan: ConversionPlan, rank: int | None = None) -> tuple:
     """Source layer `layer_idx` in closed form at `rank` (default: the budget's), one layer at a time: (the student
     layer's tensors, the layer's plan with its rope split and factors); the plan is added to `plan` with its tensors
     let go."""
-    inv_freq = source.model.rotary_emb.inv_freq.float().cpu()
+    inv_freq = families.inv_freq(source.model.rotary_emb, source.config, layer_idx)
     split, factorization = factorize_layer(layer.self_attn, statistics, inv_freq, plan.budget, plan.options)
     planned = layer_plan(split, factorization, rank or plan.budget.kv_lora_rank)
     state = student_layer_state(source, layer, layer_idx, planned, plan)
@@ -200,7 +197,14 @@ def student_layer(state: dict, layer_idx: int, config, like: torch.Tensor) -> tu
     }
     layer.load_state_dict(state, assign=True)
     layer = layer.to(device=like.device, dtype=like.dtype).eval().requires_grad_(False)
-    return layer, type(skeleton.model.rotary_emb)(config=config).to(like.device)
+    return layer, type(skeleton.model.rotary_emb)(config=config, rope_theta=layer_rope_theta(config, layer_idx)).to(
+        like.device
+    )
+
+
+def layer_rope_theta(config: EGMLAConfig, layer_idx: int) -> float | None:
+    """The base of a student layer's own rotary (a windowed layer's `sliding_rope_theta`), None for the model's."""
+    return config.sliding_rope_theta if config.layer_window(layer_idx) is not None else None
 
 
 @torch.no_grad()
@@ -213,7 +217,8 @@ def student_layer_output(layer: torch.nn.Module, hidden: torch.Tensor, rotary: t
     if gate is not None:
         table, ids = gate
         (gate_rows,) = look_up_gate_rows(torch.nn.ModuleList([table]), ids.to(states.device))
-    return layer(states, position_embeddings=rotary(states, positions), gate_rows=gate_rows).cpu()
+    mask = families.layer_mask(layer.self_attn, states.shape[1], states.dtype, states.device)
+    return layer(states, attention_mask=mask, position_embeddings=rotary(states, positions), gate_rows=gate_rows).cpu()
 
 
 def final_norm_and_head(source, outer: dict, device, dtype) -> tuple[torch.nn.Module, torch.Tensor]:

@@ -20,6 +20,7 @@ from transformers import LlamaForCausalLM
 from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
 from ..options import check_fields, option
 from ..precision import MIXED_PRECISIONS, fitting_autocast
+from . import families
 from .calibration import source_layer_pass
 
 GATE_INITS = ("least_squares", "identity")
@@ -86,12 +87,11 @@ def student_attention(block: StudentBlock, hidden: torch.Tensor, token_ids, rota
     if block.table is not None:
         (gate_rows,) = look_up_gate_rows(torch.nn.ModuleList([block.table]), token_ids)
     attention = block.layer.self_attn
-    mask = None  # SDPA: causal by itself
-    if attention.config._attn_implementation == "eager":  # (`fitting_attention`) adds the mask it is given, if any
-        length = hidden.shape[1]
-        mask = torch.full((length, length), torch.finfo(torch.float32).min, device=hidden.device).triu(1)
+    # SDPA is causal by itself where no window applies; eager (`fitting_attention`) adds the mask it is given, if any.
+    causal = attention.config._attn_implementation == "eager"
+    mask = families.layer_mask(attention, hidden.shape[1], torch.float32, hidden.device, causal=causal)
     output, _ = attention(block.layer.input_layernorm(hidden), rotary, mask, gate_rows=gate_rows)
-    return hidden + output
+    return hidden + families.attention_added(block.layer, output)
 
 
 def block_parameters(block: StudentBlock, fit_gate: bool) -> list[torch.nn.Parameter]:
@@ -209,7 +209,7 @@ def adam_steps(
 @torch.no_grad()
 def next_student_stream(block: StudentBlock, attended: torch.Tensor) -> torch.Tensor:
     """The student's residual stream after the block's layer, from its stream after the attention (`LayerFit`)."""
-    return attended + block.layer.mlp(block.layer.post_attention_layernorm(attended))
+    return block.layer.mlp_block(attended)
 
 
 @dataclass
@@ -229,9 +229,10 @@ def fit_and_advance(block: StudentBlock, source_layer, fitting: FittingStreams, 
     device = source_layer.input_layernorm.weight.device
     blocks, source_in, student_in = (tensor.to(device) for tensor in (fitting.blocks, fitting.source, fitting.student))
     positions = torch.arange(blocks.shape[1], device=device)[None]
-    with layer_autocast(block, fitting.settings, device):
+    with layer_autocast(block, fitting.settings, device), torch.no_grad():  # the source's streams are targets
         layer, source_out = source_layer_pass(source_layer, source_in, source_rotary(source_in, positions))
-    streams = LayerStreams(student_in, layer.hidden, layer.hidden + layer.attention)
+        target = layer.hidden + families.attention_added(source_layer, layer.attention)
+    streams = LayerStreams(student_in, layer.hidden, target)
     row, attended = fit_layer(block, streams, blocks, student_rotary(student_in, positions), fitting.settings)
     with layer_autocast(block, fitting.settings, device):
         fitting.student = next_student_stream(block, attended).cpu()
@@ -255,7 +256,8 @@ def reconstruct_layers(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         for layer_idx in tqdm(range(student.config.num_hidden_layers), desc="fitting layers", unit="layer"):
-            source_rotary, student_rotary = source.model.rotary_emb, student.model.rotary_emb
+            source_rotary = families.layer_rotary(source.model.rotary_emb, source.config, layer_idx)
+            student_rotary = student.model.rotary_of(layer_idx)
             block = student_block(student, layer_idx)
             rows.append(fit_and_advance(block, source.model.layers[layer_idx], fitting, source_rotary, student_rotary))
     student.requires_grad_(True)

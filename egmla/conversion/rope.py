@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaForCausalLM
 
+from . import families
 from .calibration import LayerStatistics
 
 PAIR_SELECTIONS = ("rotation", "norm")
@@ -171,9 +172,10 @@ def llama_rope_parameters(source: LlamaForCausalLM) -> dict:
     """The source's rope parameters, in EG-MLA's (DeepSeek's) convention: Llama puts YaRN's mscale only into
     cos/sin, while EG-MLA would also square `mscale_all_dim` into the softmax scale, so the attention factor is
     given explicitly and the mscale keys are dropped."""
-    parameters = dict(source.config.rope_parameters)
+    layer_idx = families.global_layer(source.config)  # Gemma 3's windowed layers' base is `sliding_rope_theta`
+    parameters = families.rope_parameters(source.config, layer_idx)
     if parameters.get("rope_type") == "yarn" and ("mscale" in parameters or "mscale_all_dim" in parameters):
         parameters.pop("mscale", None)
         parameters.pop("mscale_all_dim", None)
-        parameters["attention_factor"] = float(source.model.rotary_emb.attention_scaling)
+        parameters["attention_factor"] = families.attention_factor(source.model.rotary_emb, source.config, layer_idx)
     return parameters

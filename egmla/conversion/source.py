@@ -10,6 +10,7 @@ from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoTokenizer,
+    Gemma3ForCausalLM,
     LlamaForCausalLM,
     MistralForCausalLM,
     PretrainedConfig,
@@ -20,21 +21,26 @@ from transformers import (
 )
 
 from ..options import DTYPES, Placement
+from . import families
 
 # The families whose attention is Llama's up to biases and windows: the same modules under the same names.
-# Qwen3 is Llama's with each query and key head RMS-normed before RoPE (`qk_norm` in the student).
+# Qwen3 and Gemma 3 are Llama's with each query and key head RMS-normed before RoPE (`qk_norm` in the student);
+# Gemma 3's other differences are carried by `families.py`.
 SOURCE_CLASSES = {
     "llama": LlamaForCausalLM,
     "mistral": MistralForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 ACCEPTED = (
-    "Llama, Mistral, Qwen2 or Qwen3 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; MHA "
-    "or GQA)"
+    "Llama, Mistral, Qwen2, Qwen3 or Gemma 3 text (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+    "Qwen3ForCausalLM, Gemma3ForCausalLM; MHA or GQA)"
 )
-# QK-norm families whose layers differ from Llama's beyond the norms, refused by name until they are carried.
-QK_NORM_FAMILIES = ("qwen3_moe", "gemma3", "gemma3_text", "olmo2", "olmo3", "cohere2")
+QK_NORM_SOURCES = ("qwen3", "gemma3_text")
+# QK-norm families whose layers differ from Llama's beyond what is carried (experts, other norms, the vision tower),
+# refused by name.
+QK_NORM_FAMILIES = ("qwen3_moe", "gemma3", "olmo2", "olmo3", "cohere2")
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ def attention_shape(config) -> AttentionShape:
 
 def key_norm_heads(config) -> int:
     """The key-norm scales a converted layer caches per token: one per key head of a QK-norm source (Qwen3)."""
-    return attention_shape(config).key_heads if config.model_type == "qwen3" else 0
+    return attention_shape(config).key_heads if config.model_type in QK_NORM_SOURCES else 0
 
 
 def split_gguf(source: str | Path) -> tuple[str, str | None]:
@@ -150,8 +156,8 @@ def check_family(model_type: str, source: str | Path) -> None:
     if model_type in QK_NORM_FAMILIES:
         raise ValueError(
             f"{source} is a {model_type!r} checkpoint: its query and key heads are normed (QK-norm), which egmla "
-            "converts for Qwen3, but its layers differ from Llama's beyond that (experts, extra norms, windows or "
-            f"an embedding scale) and are not carried yet; sources must be {ACCEPTED}."
+            "converts for Qwen3 and Gemma 3's text model, but its layers differ from theirs beyond that (experts, "
+            f"other norms, a vision tower) and are not carried yet; sources must be {ACCEPTED}."
         )
     if model_type not in SOURCE_CLASSES:
         raise ValueError(f"{source} is a {model_type!r} checkpoint; only {ACCEPTED} sources can be converted.")
@@ -178,17 +184,21 @@ def load_llama_checkpoint(source: str | Path, dtype: torch.dtype, device: torch.
 def check_supported(config) -> None:
     """Refuses what EG-MLA has nothing to map to."""
     check_sliding_window(config)
+    families.check_carried(config)
     if getattr(config, "mlp_bias", False):
         raise ValueError("The source has MLP biases (mlp_bias=True); EG-MLA's SwiGLU MLP has none.")
-    if config.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+    rope = families.rope_parameters(config, families.global_layer(config))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("Sources with partial_rotary_factor != 1 are not supported.")
-    if config.rope_parameters.get("rope_type", "default") == "longrope":
+    if rope.get("rope_type", "default") == "longrope":
         raise ValueError("Sources with longrope scaling are not supported (its frequencies depend on the length).")
 
 
 def check_sliding_window(config) -> None:
     """A sliding window attends to the last `sliding_window` tokens only; EG-MLA attends to every cached token, so a
     window is accepted only where it covers the whole context (Mistral v0.2+ and Qwen2 have none by default)."""
+    if families.is_gemma3(config):  # its windowed layers are carried as they are (`sliding_window_layers`)
+        return
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or []
     slides = config.model_type == "mistral" or "sliding_attention" in layer_types

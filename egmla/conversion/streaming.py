@@ -21,6 +21,7 @@ from ..hub import public_name
 from ..modeling_egmla import EGMLAForCausalLM
 from ..outputs import atomic_folder, check_output_folder, replace_atomically
 from ..text import document_ids, token_blocks
+from . import families
 from .fitting_text import (
     extra_documents,
     fitting_and_held_out,
@@ -143,7 +144,8 @@ def write_outside_layers(source: ShardedLayers, staging: Path, shards: LayerShar
         link_or_copy(shards.work.shards / name, staging / name)  # kept in the work folder until the output is saved
     with times.stage("embeddings and head"):
         outer = source.outer()
-        shards.total += write_shard(staging, "model-outer.safetensors", outer, shards.dtype, shards.weight_map)
+        student_outer = families.student_outer(source.config, outer)
+        shards.total += write_shard(staging, "model-outer.safetensors", student_outer, shards.dtype, shards.weight_map)
     return outer
 
 
