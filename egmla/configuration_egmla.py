@@ -14,8 +14,10 @@ from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
-# The cache layer type registered by `modeling_egmla.EGMLALatentCacheLayer`.
+# The cache layer types registered by `modeling_egmla.EGMLALatentCacheLayer` and, for the windowed layers,
+# `EGMLASlidingLatentCacheLayer`.
 EGMLA_LAYER_TYPE = "egmla_latent_attention"
+EGMLA_SLIDING_LAYER_TYPE = "egmla_sliding_latent_attention"
 GatePosition = Literal["kv", "latent"]
 GateNorm = Literal["rms", "none"]
 RopeMode = Literal["decoupled", "exact"]
@@ -176,7 +178,8 @@ class EGMLAConfig(PreTrainedConfig):
             order; a frequency may serve several pairs, e.g. a rope key shared by heads). Query heads use the
             frequencies of their group's rope key.
         max_position_embeddings: context length the rotary embedding is built for.
-        layer_types: cache layer type of every layer; always `"egmla_latent_attention"`.
+        layer_types: cache layer type of every layer, set from the others: `"egmla_latent_attention"`, and for the
+            windowed layers `"egmla_sliding_latent_attention"` (their cache keeps only the window).
     """
 
     model_type = "egmla"
@@ -232,7 +235,7 @@ class EGMLAConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         if self.layer_types is None:
-            self.layer_types = [EGMLA_LAYER_TYPE] * self.num_hidden_layers
+            self.layer_types = self.cache_layer_types()
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         # transformers' rope utilities size the rotary embedding from `head_dim` (as DeepSeek-V3 does).
@@ -357,16 +360,23 @@ class EGMLAConfig(PreTrainedConfig):
         """As saved: `layer_types` is left out while it is the default (every layer egmla's), so that tools that
         read config.json without egmla (AutoTokenizer, vLLM) do not meet a layer type transformers does not know."""
         output = super().to_dict()
-        if output.get("layer_types") == [EGMLA_LAYER_TYPE] * self.num_hidden_layers:
+        if output.get("layer_types") == self.cache_layer_types():
             del output["layer_types"]
         return output
 
+    def cache_layer_types(self) -> list[str]:
+        """Each layer's cache layer type: the windowed layers' keeps their window only."""
+        return [
+            EGMLA_SLIDING_LAYER_TYPE if self.layer_window(i) is not None else EGMLA_LAYER_TYPE
+            for i in range(self.num_hidden_layers)
+        ]
+
     def validate_layer_type(self):
-        """Our cache layer type is not one of transformers' built-in ones, so the base check cannot be used."""
-        if self.layer_types is not None and self.layer_types != [EGMLA_LAYER_TYPE] * self.num_hidden_layers:
+        """Our cache layer types are not transformers' built-in ones, so the base check cannot be used."""
+        if self.layer_types is not None and self.layer_types != self.cache_layer_types():
             raise ValueError(
-                f"`layer_types` must be {EGMLA_LAYER_TYPE!r} for each of the {self.num_hidden_layers} layers "
-                f"(`num_hidden_layers`), got {self.layer_types}."
+                f"`layer_types` must be {self.cache_layer_types()} (one per layer, `num_hidden_layers`, the windowed "
+                f"layers' {EGMLA_SLIDING_LAYER_TYPE!r}), got {self.layer_types}."
             )
 
 

@@ -84,7 +84,8 @@ def filled_cache(model: torch.nn.Module, cache_kind: str, batch_size: int, conte
             torch.randn(*part.shape[:2], context, part.shape[-1], generator=generator, device=device, dtype=part.dtype)
             for part in (layer.keys, layer.values)
         )
-        cache.update(keys, values, layer_idx)
+        window = getattr(layer, "sliding_window", None)  # a windowed layer keeps its window of them
+        cache.update(keys, values, layer_idx, **({"sliding_window": window} if window else {}))
     return cache
 
 

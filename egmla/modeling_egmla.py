@@ -29,7 +29,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_egmla import EGMLA_LAYER_TYPE, EGMLAConfig
+from .configuration_egmla import EGMLA_LAYER_TYPE, EGMLA_SLIDING_LAYER_TYPE, EGMLAConfig
 
 logger = logging.get_logger(__name__)
 
@@ -397,6 +397,74 @@ class EGMLALatentCacheLayer(DynamicLayer):
         self.storage = None
 
 
+class EGMLASlidingLatentCacheLayer(EGMLALatentCacheLayer):
+    """A windowed layer's cache (`sliding_window_layers`): only the last `sliding_window - 1` positions are kept,
+    which is all the next token sees besides itself, as transformers' `DynamicSlidingWindowLayer` keeps keys and
+    values (and, as it does, everything while `generate` records the past to roll back drafted tokens). Held in
+    layer 0, the per-token values stay whole (the full layers read them). The window comes with the first update
+    (DynamicCache builds this type without it)."""
+
+    _layer_type = EGMLA_SLIDING_LAYER_TYPE
+    is_sliding = True
+
+    def __init__(self, sliding_window: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.sliding_window = sliding_window
+        self.cumulative_length = 0
+        self.record_past = False
+
+    def activate_past_recording(self, **kwargs) -> None:
+        self.record_past = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, sliding_window=None, **kwargs):
+        """Appends the new latents and rope keys; returns the kept positions and the new ones."""
+        self.sliding_window = sliding_window or self.sliding_window
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        keys, values = torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+        total = keys.shape[-2]
+        start = 0 if self.record_past else max(total - self.sliding_window + 1, 0)
+        self.keys, self.values = keys[:, :, start:], values[:, :, start:]
+        visible = max(total - self.sliding_window + 1 - key_states.shape[-2], 0)  # what the new queries can see
+        return keys[:, :, visible:], values[:, :, visible:]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The kept positions and the new ones, and the position of the first kept one (as transformers')."""
+        if self.sliding_window is None:  # nothing cached yet
+            return self.cumulative_length + query_length, 0
+        kept = min(self.cumulative_length, self.sliding_window - 1)
+        return kept + query_length, self.cumulative_length - kept
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def cached_rows(self) -> None:
+        return None  # no storage: the latent and the rope keys are separate tensors
+
+    def crop(self, max_length: int) -> None:
+        """Before the window is full as a full layer's; beyond it, only while recording the past and by a number of
+        tokens to remove (negative), the kept positions cut back to the window (transformers' rule)."""
+        if self.sliding_window is None or self.cumulative_length < self.sliding_window:
+            super().crop(max_length)
+            self.cumulative_length = self.keys.shape[-2] if self.is_initialized else 0
+            return
+        if not self.record_past or max_length > 0:
+            raise ValueError(
+                f"A windowed layer's cache holding its window ({self.sliding_window}) can be cropped only by a "
+                "negative number of tokens while `generate` records the past: earlier positions are gone."
+            )
+        removed, window = -max_length, self.sliding_window - 1
+        end = self.keys.shape[-2] - removed
+        self.keys, self.values = self.keys[:, :, max(end - window, 0) : end], self.values[:, :, max(end - window, 0) : end]
+        self.cumulative_length -= removed
+        self.map_per_token(lambda values: values[:, : self.cumulative_length])
+
+    def reset(self) -> None:
+        super().reset()
+        self.cumulative_length = 0
+
+
 class EGMLAStaticCacheLayer(StaticLayer):
     """The preallocated twin of `EGMLALatentCacheLayer` (`cache_implementation="static"`, `torch.compile`): the
     latent [B, 1, L, r] and rope keys [B, 1, L, Hr*dr] of L = max_cache_len positions, side by side in one storage
@@ -472,6 +540,13 @@ class EGMLAStaticCacheLayer(StaticLayer):
                 tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
 
 
+class EGMLAStaticSlidingCacheLayer(EGMLAStaticCacheLayer):
+    """A windowed layer in a static cache: every position is kept in place (the window is the mask's), so that every
+    layer's shapes stay fixed for a compiled step."""
+
+    _layer_type = EGMLA_SLIDING_LAYER_TYPE
+
+
 class EGMLACache(DynamicCache):
     """A `DynamicCache` of `EGMLALatentCacheLayer`s, for passing explicitly: `model(..., cache=EGMLACache(config))`.
 
@@ -524,7 +599,7 @@ def context_positions(
 def is_latent_cache_layer(layer) -> bool:
     """By layer type, not class: each remote-code copy of this file defines its own class, and the type
     registry keeps the last one imported."""
-    return getattr(layer, "_layer_type", None) == EGMLA_LAYER_TYPE
+    return getattr(layer, "_layer_type", None) in (EGMLA_LAYER_TYPE, EGMLA_SLIDING_LAYER_TYPE)
 
 
 def cache_nbytes(cache: Cache, allocated: bool = False) -> int:
@@ -533,12 +608,13 @@ def cache_nbytes(cache: Cache, allocated: bool = False) -> int:
     whole length; the up to GROWTH_CHUNK - 1 spare positions of a dynamic latent layer)."""
     total, storages = 0, set()
     for layer in cache.layers:
-        length = int(layer.get_seq_length())
+        seen = int(layer.get_seq_length())
         per_token = [(getattr(layer, name), -1) for name in getattr(layer, "PER_TOKEN", ())]
         for tensor, position_dim in [(layer.keys, -2), (layer.values, -2), *per_token]:
             if tensor is None or tensor.numel() == 0:
                 continue
-            if not allocated:
+            if not allocated:  # the positions in use: all seen, or the window a windowed layer keeps
+                length = min(seen, tensor.shape[position_dim])
                 total += tensor.numel() // tensor.shape[position_dim] * length * tensor.element_size()
             elif tensor.untyped_storage().data_ptr() not in storages:
                 storages.add(tensor.untyped_storage().data_ptr())
@@ -920,10 +996,13 @@ class EGMLAAttention(nn.Module):
         if cache is not None:
             if key_scale is not None:  # cached beside the rope key: [B, 1, S, Hr*dr + Hn]
                 rope_key = torch.cat([rope_key, key_scale], dim=-1)
-            latent, rope_key = cache.update(latent, rope_key, self.layer_idx)  # [B, 1, T, r], [B, 1, T, Hr*dr (+Hn)]
+            window = {"sliding_window": self.sliding_window} if self.sliding_window is not None else {}
+            # [B, 1, T, r], [B, 1, T, Hr*dr (+Hn)]; T: a windowed layer's kept positions and the new ones
+            latent, rope_key = cache.update(latent, rope_key, self.layer_idx, **window)
             cached_rows = getattr(cache.layers[self.layer_idx], "cached_rows", lambda: None)()
             if key_scale is not None:
                 rope_key, key_scale = rope_key.split([self.rope_key_width, self.key_norm_heads], dim=-1)
+            gate_rows, key_rotary = last_positions(latent.shape[2], gate_rows, key_rotary)
         # By shape, not by the cache's length (a tensor in a static cache: comparing it would sync and break graphs).
         # Several new tokens without a mask are a prompt at offset 0 (a static cache's unwritten slots follow it):
         # SDPA's top-left causal mask over the expanded heads is exact there, the decode paths' bottom-right is not.
@@ -937,6 +1016,22 @@ class EGMLAAttention(nn.Module):
             attn_output, attn_weights = expanded_attention(self, step, attention_mask, **kwargs)
         attn_output = self.o_proj(attn_output.reshape(batch_size, seq_length, -1))
         return attn_output, attn_weights
+
+
+def last_positions(
+    length: int, gate_rows: EGMLAGateRows | None, key_rotary: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[EGMLAGateRows | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The whole context's gate rows and key rotations cut to the last `length` positions: those a windowed layer's
+    cache kept."""
+    if gate_rows is not None and gate_rows.length > length:
+        if gate_rows.index is None:  # one row per position: [B*T, de] -> the last `length` of each sequence
+            rows = gate_rows.rows.view(gate_rows.batch_size, gate_rows.length, -1)[:, -length:].flatten(0, 1)
+            gate_rows = EGMLAGateRows(rows, None, gate_rows.batch_size, length)
+        else:
+            gate_rows = EGMLAGateRows(gate_rows.rows, gate_rows.index[:, -length:], gate_rows.batch_size, length)
+    if key_rotary is not None and key_rotary[0].shape[2] > length:
+        key_rotary = tuple(part[:, :, -length:] for part in key_rotary)
+    return gate_rows, key_rotary
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 
 from egmla.bench.decode import VARIANTS
 from egmla.cli import main
-from tests.utils import MODES, STORIES260K, tiny_model
+from tests.utils import MODES, STORIES260K, TOKENIZER_SIZE, tiny_model, tiny_source, with_tokenizer
 
 
 def test_bench_quick_mode_measures_every_panel_and_draws_the_figure(tmp_path, capsys):
@@ -83,12 +83,35 @@ def test_bench_converted_times_a_conversion_against_its_source(tmp_path, capsys)
     assert "ratio to the source's default path" in capsys.readouterr().out
 
 
+def test_bench_converted_times_a_windowed_gemma3_conversion_on_its_default_path(tmp_path):
+    """A Gemma 3 source and its conversion, both with windowed layers (contexts past the window): each cell is
+    prefilled anew (a window cannot be cropped back) and timed on the default path; the budget counts the windows."""
+    from egmla.conversion import ConversionOptions, convert_llama_to_egmla
+
+    teacher = tiny_source("gemma3", vocab_size=TOKENIZER_SIZE["gemma3"])
+    teacher.save_pretrained(tmp_path / "gemma3")
+    source = with_tokenizer(tmp_path / "gemma3")
+    out = tmp_path / "converted"
+    options = ConversionOptions(kv_cut=0.5, rope_split="shared", rope_pairs=4, factorization="weight")
+    convert_llama_to_egmla(source, options).save_pretrained(out)
+    results = tmp_path / "results"
+    main(["bench", "converted", str(source), str(out), "--cells", "2x48", "2x40", "--repetitions", "1",
+          "--results", str(results)])  # fmt: skip
+    result = json.loads((results / "converted.json").read_text())
+    assert [(row["batch"], row["context"]) for row in result["grid"]] == [(2, 40), (2, 48)]
+    assert all(set(row["ms_per_step"]) == {"source", out.name} for row in result["grid"])
+    budget = result["budget"]["models"]
+    assert budget[out.name]["cache_bytes_per_token"] < budget["source"]["cache_bytes_per_token"]
+
+
 def test_the_benchmarks_static_copy_continues_like_the_dynamic_cache():
     """The compiled column times the same step: a static cache copied from a prefilled dynamic one gives the same
     next-token logits (every gate and rope mode keeps its ids and positions through the copy)."""
     from egmla.bench.converted import prefilled, static_copy
 
     for mode, overrides in MODES.items():
+        if "sliding_window" in overrides:  # a windowed layer keeps its window only: timed on its default path alone
+            continue
         model = tiny_model(**overrides).eval()
         rows = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
         dynamic = prefilled(model, rows[:, :-1])

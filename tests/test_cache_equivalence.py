@@ -11,6 +11,8 @@ from egmla.configuration_egmla import EGMLA_LAYER_TYPE
 from tests.utils import MODES, assert_cache_equals_no_cache, generate_both, incremental_logits, tiny_model
 
 ALL_MODES = list(MODES)
+# A windowed layer keeps its window only (test_a_windowed_layers_cache_keeps_its_window_only): these hold every position.
+UNWINDOWED_MODES = [mode for mode in MODES if "sliding_window" not in MODES[mode]]
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
@@ -164,7 +166,7 @@ def test_prompt_lookup_decoding_gives_the_greedy_tokens(mode):
     assert torch.equal(plain, looked_up)
 
 
-@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("mode", UNWINDOWED_MODES)
 def test_cache_holds_exactly_the_latent_rope_key_ids_and_positions(mode):
     model = tiny_model(**MODES[mode], num_hidden_layers=3, kv_lora_rank=[16, 8, 12])
     config = model.config
@@ -356,7 +358,7 @@ def test_assisted_decoding_with_a_different_assistant(mode):
     assert any(tokens < 0 for tokens in crops)  # some candidates were rejected and cropped away
 
 
-@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("mode", UNWINDOWED_MODES)
 def test_logits_after_crop_equal_no_cache(mode):
     model = tiny_model(**MODES[mode])
     input_ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(12))
@@ -608,3 +610,22 @@ def test_a_windowed_layer_sees_only_its_window():
     assert not torch.allclose(logits[:, :window], changed_logits[:, :window])
     torch.testing.assert_close(logits[:, window:], changed_logits[:, window:], rtol=0, atol=1e-5)
     torch.testing.assert_close(cached, changed_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["gemma", "windowed-exact-gate-kv"])
+def test_a_windowed_layers_cache_keeps_its_window_only(mode):
+    """generate over a context longer than the window: the windowed layer's cache holds `sliding_window - 1`
+    positions (what the next token sees besides itself), the full layer's every one, and cache_nbytes counts that."""
+    model = tiny_model(**MODES[mode])
+    cache = EGMLACache(model.config)
+    input_ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    model.generate(input_ids, max_new_tokens=6, do_sample=False, cache=cache)
+    windowed, full = cache.layers
+    window = model.config.sliding_window
+    assert type(windowed).__name__ == "EGMLASlidingLatentCacheLayer" and windowed.keys.shape[2] == window - 1
+    assert full.keys.shape[2] == 25 and windowed.get_seq_length() == full.get_seq_length() == 25
+    per_token = sum(values.numel() * 8 for values in (windowed.token_ids, windowed.positions) if values is not None)
+    row_bytes = (full.keys.shape[-1] + full.values.shape[-1]) * full.keys.element_size() * 2  # batch 2
+    assert cache_nbytes(cache) == row_bytes * (25 + window - 1) + per_token  # the per-token values held whole
+    with pytest.raises(ValueError, match="windowed layer's cache holding its window .5. can be cropped only"):
+        cache.crop(-3)

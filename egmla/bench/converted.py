@@ -83,7 +83,7 @@ def states_for_cell(models: dict, caches: dict, bench: ConvertedBench, next_toke
     states = {}
     for name, model in models.items():
         states[name] = DecodeState(model.forward, caches[name], next_tokens, position)
-        if bench.compiled:
+        if bench.compiled and not any(caches[name].is_sliding):  # a window's kept positions have no static copy
             compiled = torch.compile(model.forward, dynamic=False)
             states[f"{name}, compiled static"] = DecodeState(
                 compiled, static_copy(model, caches[name]), next_tokens, position
@@ -109,8 +109,10 @@ def measure_cells(models: dict, bench: ConvertedBench) -> tuple[list[dict], dict
         rows = text_rows(bench, batch_size, contexts[0])
         caches = {name: prefilled(model, rows[:, :-1]) for name, model in tqdm(models.items(), desc="prefilling")}
         for context in contexts:
-            for cache in caches.values():
-                if cache.get_seq_length() > context:
+            for name, cache in caches.items():
+                if cache.get_seq_length() > context and any(cache.is_sliding):  # a window cannot be cropped back
+                    caches[name] = prefilled(models[name], rows[:, :context])
+                elif cache.get_seq_length() > context:
                     cache.crop(context - cache.get_seq_length())  # transformers 5 crops by a negative count
             torch._dynamo.reset()  # each cell compiles its own static shapes
             states = states_for_cell(models, caches, bench, rows[:, context : context + 1])
