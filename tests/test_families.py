@@ -182,7 +182,7 @@ def test_egmla_convert_of_a_gemma3_folder_keeps_its_layers_and_windows(tmp_path)
     assert config.sandwich_norms and config.qk_norm and config.embedding_multiplier == 64**0.5
     assert (config.sliding_window, config.sliding_window_layers, config.sliding_rope_theta) == (24, [0], 1e4)
     report = json.loads((out / "conversion_report.json").read_text())
-    assert report["kv"]["converted"] == report["kv"]["source"] // 2
+    assert report["kv"]["converted"] == pytest.approx(report["kv"]["source"] / 2)  # both keep windows
     full = tmp_path / "full"
     main(["convert", str(folder), "--out", str(full), "--kv-lora-rank", "64", "--rope-split", "exact", "--steps", "0",
           "--reconstruction-steps", "0", "--gate-embedding-dim", "0", "--calibration-blocks", "4", "--block-size", "32",
