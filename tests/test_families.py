@@ -5,6 +5,7 @@ name."""
 
 import json
 
+import gguf
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -190,3 +191,56 @@ def test_egmla_convert_of_a_gemma3_folder_keeps_its_layers_and_windows(tmp_path)
     input_ids = torch.randint(3, 96, (2, 60), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert_same_model(AutoModelForCausalLM.from_pretrained(full).eval(), teacher, input_ids)
+
+
+QWEN3_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+
+
+def write_qwen3_gguf(model, path):
+    """A Qwen3 model as an unquantized GGUF file, as llama.cpp writes one (q/k rows in their order)."""
+    config, weights = model.config, {name: tensor.detach().numpy() for name, tensor in model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", weights["model.norm.weight"])
+    writer.add_tensor("output.weight", weights["lm_head.weight"])
+    for layer in range(config.num_hidden_layers):
+        for ours, theirs in QWEN3_GGUF_NAMES.items():
+            writer.add_tensor(f"blk.{layer}.{theirs}.weight", weights[f"model.layers.{layer}.{ours}.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_qwen3_gguf_file_loads_with_its_own_head_dim_and_converts_exactly(tmp_path):
+    """transformers maps no `attention.key_length` for Qwen3 GGUF files (its config would take head_dim 128): the
+    file's head_dim (16, not hidden_size / heads = 8) is read from it, and the source converts exactly at full rank."""
+    teacher = tiny_source("qwen3")
+    path = write_qwen3_gguf(teacher, tmp_path / "qwen3.gguf")
+    loaded = load_llama(path)
+    assert loaded.config.head_dim == 16
+    input_ids = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids).logits, teacher(input_ids).logits, rtol=0, atol=1e-5)
+    calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
+    student = convert_llama_to_egmla(path, ConversionOptions(**FULL_RANK["shared"], gate_embedding_dim=0), calibration)
+    with torch.no_grad():  # (the file names no eos: generate would stop elsewhere than the teacher's)
+        torch.testing.assert_close(student(input_ids).logits, teacher(input_ids).logits, rtol=0, atol=1e-4)

@@ -5,6 +5,7 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import torch
 from safetensors import SafetensorError
 from transformers import (
@@ -125,13 +126,26 @@ def read_config(source: str | Path, role: str = "source") -> PretrainedConfig:
             f"The {role} {source} has no config.json: give a checkpoint folder as save_pretrained writes it."
         )
     try:
-        return AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+        config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
     except (OSError, ValueError) as error:  # no such path or Hub id, offline, not a config
         where = "is not a local folder or file, nor" if not Path(folder).exists() else "could not be read as"
         raise ValueError(
             f"The {role} {source} {where} a Hub model reachable from here ({str(error).splitlines()[0]}): give a "
             "local checkpoint folder, a .gguf file or a Hub id."
         ) from error
+    if gguf_file is not None:
+        gguf_head_dim(config, Path(folder) / gguf_file)
+    return config
+
+
+def gguf_head_dim(config: PretrainedConfig, path: Path) -> None:
+    """transformers maps no `attention.key_length` for some architectures (Qwen3), so their config takes its default
+    head_dim whatever the file's: the file's own is set here (the weights then load in their shapes)."""
+    reader = gguf.GGUFReader(path)
+    architecture = reader.fields["general.architecture"].contents()
+    field = reader.fields.get(f"{architecture}.attention.key_length")
+    if field is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(field.contents())
 
 
 def source_config(source: str | Path) -> PretrainedConfig:
@@ -168,7 +182,7 @@ def load_llama_checkpoint(source: str | Path, dtype: torch.dtype, device: torch.
     config = source_config(source)
     model_class = SOURCE_CLASSES[config.model_type]
     try:  # straight onto the device, in the dtype: no float32 copy on the host first
-        model = model_class.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype, device_map=device)
+        model = model_class.from_pretrained(folder, gguf_file=gguf_file, config=config, dtype=dtype, device_map=device)
     except (OSError, SafetensorError) as error:  # missing or unreadable weights
         raise ValueError(
             f"Could not read the weights of {source} ({error}): the folder needs its model.safetensors (or "
