@@ -290,12 +290,14 @@ class KeyScaledAttention(AbsorbedAttention):
     alike attend absorbed, in one pass: each query [q_nope W^{UK} ; rope query] over its request's cached rows
     [latent ; rope keys] times each key-norm head's scales (`key_norm_heads` keys per row, made per step, never
     cached; query head i takes head i // (H / Hn), its key head's), the values the latents, taken to values by
-    W^{UV} after. A scaled key times the query is the scaled score: exact. Returns the attended values [T, H * dv].
+    W^{UV} after. A scaled key times the query is the scaled score: exact. A model with windowed layers runs here
+    too, `key_norm_heads` 0 without `qk_norm` (the rows unscaled): `sliding_window` masks a windowed layer's keys
+    (vLLM's latent kernels apply none). Returns the attended values [T, H * dv].
     """
 
-    def __init__(self, rope_key_width: int, key_norm_heads: int, **kwargs):
+    def __init__(self, rope_key_width: int, key_norm_heads: int, sliding_window: int | None = None, **kwargs):
         super().__init__(rope_key_width, kernels=False, **kwargs)
-        self.key_norm_heads = key_norm_heads
+        self.key_norm_heads, self.sliding_window = key_norm_heads, sliding_window
 
     def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, **kwargs) -> torch.Tensor:
         """q [T, H, dn + tail], rotated; the new tokens' rows are already in kv_cache."""
@@ -308,7 +310,9 @@ class KeyScaledAttention(AbsorbedAttention):
         key = self.scaled_keys(rows)  # [R, T, Hn, r + rope]
         query = self.absorb(q[:tokens])[..., : key.shape[-1]]  # the scale columns' zeros dropped
         value = rows[:, :, None, : self.kv_lora_rank]  # [R, T, 1, r]
-        attended = attend_over_cache(query, key, value, valid, seq_lens, starts, self.scale)  # [N, H, r]
+        attended = attend_over_cache(  # [N, H, r]
+            query, key, value, valid, seq_lens, starts, self.scale, self.sliding_window
+        )
         output[:tokens] = self.up_value(attended).flatten(1).to(output.dtype)
         return output
 
@@ -316,6 +320,8 @@ class KeyScaledAttention(AbsorbedAttention):
         """Cached rows [R, T, r + rope + Hn (+ ...)] -> keys [R, T, Hn, r + rope]: [latent ; rope keys] times each
         key-norm head's scale."""
         key_width = self.kv_lora_rank + self.rope_key_width
+        if not self.key_norm_heads:  # no qk_norm (a windowed model): one key, the row itself
+            return rows[:, :, None, :key_width]
         scales = rows[..., key_width : key_width + self.key_norm_heads]
         return rows[:, :, None, :key_width] * scales[..., None]
 
@@ -422,11 +428,13 @@ def causal_attention(
 
 def attend_over_cache(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, seq_lens: torch.Tensor,
-    starts: torch.Tensor, scale: float,
+    starts: torch.Tensor, scale: float, sliding_window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """New tokens query [N, H, dq] over their requests' cached keys [R, T, Hkv, dq] and values [R, T, Hkv or 1, dv]
     (`valid` [R, T]: which are a request's own), causal within the new tokens (the last of each request's
-    `seq_lens`; `starts` [R + 1] splits the queries by request). Returns [N, H, dv]."""
+    `seq_lens`; `starts` [R + 1] splits the queries by request). With `sliding_window` w the query at position i
+    sees only the keys at i - w < j <= i (a cached row's position is its slot in the request). Returns
+    [N, H, dv]."""
     padded, request, place = padded_queries(query, starts)  # [R, S, H, dq]
     query_lens = (starts[1:] - starts[:-1])[:, None, None]
     positions = torch.arange(key.shape[1], device=key.device)[None, None]
@@ -434,6 +442,8 @@ def attend_over_cache(
         seq_lens[:, None, None] - query_lens + torch.arange(padded.shape[1], device=key.device)[None, :, None]
     )
     mask = (positions <= new_positions) & valid[:, None]  # [R, S, T]
+    if sliding_window is not None:
+        mask &= positions > new_positions - sliding_window
     value = value.expand(-1, -1, key.shape[2], -1)  # one value head (the latents) for every key head, not copied
     attended = torch.nn.functional.scaled_dot_product_attention(
         padded.transpose(1, 2).to(key.dtype), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None],
@@ -481,9 +491,9 @@ class RebuildingAttention(MLAAttention):
     (`forward_impl`) is replaced: one pass for prefill and decode alike, every new token over its request's cache.
     """
 
-    def __init__(self, rebuild, up_values=None, **kwargs):
+    def __init__(self, rebuild, up_values=None, sliding_window: int | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.rebuild, self.up_values = rebuild, up_values
+        self.rebuild, self.up_values, self.sliding_window = rebuild, up_values, sliding_window
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """Nothing to absorb: W^{UKV} stays whole for `rebuild` (MLAAttention would split it into W^{UK}/W^{UV})."""
@@ -502,5 +512,7 @@ class RebuildingAttention(MLAAttention):
         starts = metadata.request_query_start_loc.to(torch.long)
         rows, valid = request_rows(kv_cache, metadata.request_block_table, seq_lens)  # [R, T, width], [R, T]
         key, value = self.rebuild(rows)
-        attended = attend_over_cache(query, key, value, valid, seq_lens, starts, self.scale)  # [N, H, dv] or [N, H, r]
+        attended = attend_over_cache(  # [N, H, dv] or [N, H, r]
+            query, key, value, valid, seq_lens, starts, self.scale, self.sliding_window
+        )
         return attended if self.up_values is None else self.up_values(attended)

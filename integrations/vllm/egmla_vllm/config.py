@@ -10,6 +10,12 @@ from transformers.modeling_rope_utils import RopeParameters
 
 # Rope types whose frequencies transformers' rope utilities compute (and that egmla writes).
 SERVED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# The MLP activations the plugin serves (transformers' names): Llama's, and Gemma's GELU-tanh.
+SERVED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# Keys (of config.json, or that vLLM passes) that are no field here and carry nothing to serve, besides transformers'
+# own config attributes (`PreTrainedConfig`'s fields and properties): bookkeeping, and what egmla derives from its
+# fields (recomputed in `__post_init__`). Any other key that is no field is refused by name.
+NOT_FIELDS = ("auto_map", "_name_or_path", "tokenizer_class", "head_dim", "qk_head_dim")
 EGMLA_LAYER_TYPE = "egmla_latent_attention"
 
 
@@ -42,6 +48,11 @@ class EGMLAConfig(PreTrainedConfig):
     qk_norm: bool = False
     qk_norm_head_dim: int | None = None
     qk_norm_key_heads: int | None = None
+    sandwich_norms: bool = False
+    embedding_multiplier: float = 1.0
+    sliding_window: int | None = None
+    sliding_window_layers: list[int] | None = None
+    sliding_rope_theta: float | None = None
     attention_bias: bool = False
     hidden_act: str = "silu"
     max_position_embeddings: int = 2048
@@ -59,6 +70,10 @@ class EGMLAConfig(PreTrainedConfig):
     layer_types: list[str] | None = None
 
     def __post_init__(self, **kwargs):
+        # A field this plugin does not know (a newer egmla's) would be ignored silently: refuse it by name instead.
+        unknown = sorted(key for key in kwargs if key not in NOT_FIELDS and not hasattr(PreTrainedConfig, key))
+        if unknown:
+            raise ValueError(f"egmla-vllm does not serve the config field(s) {unknown} (a newer egmla's?).")
         # transformers' rope utilities size the rotary embedding from `head_dim` (as in egmla).
         self.head_dim = self.rope_frequency_dim or self.qk_rope_head_dim
         if self.num_key_value_heads is None:
@@ -126,9 +141,10 @@ class EGMLAConfig(PreTrainedConfig):
 
     @property
     def pytorch_attention(self) -> bool:
-        """The plugin's PyTorch attention computes the scores: keys rebuilt from the cache (not `absorbs`), or
-        scores multiplied per key by its norm scale (`qk_norm`), which no latent kernel of vLLM does."""
-        return not self.absorbs or self.qk_norm
+        """The plugin's PyTorch attention computes the scores: keys rebuilt from the cache (not `absorbs`),
+        scores multiplied per key by its norm scale (`qk_norm`), or windowed layers' masks, which no latent kernel
+        of vLLM applies."""
+        return not self.absorbs or self.qk_norm or self.windowed
 
     @property
     def cache_tail_width(self) -> int:
@@ -147,6 +163,15 @@ class EGMLAConfig(PreTrainedConfig):
     def layer_kv_lora_rank(self, layer_idx: int) -> int:
         return self.kv_lora_rank[layer_idx] if isinstance(self.kv_lora_rank, list) else self.kv_lora_rank
 
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The window layer `layer_idx` attends within, None where it sees the whole context (as egmla)."""
+        return self.sliding_window if layer_idx in (self.sliding_window_layers or ()) else None
+
+    @property
+    def windowed(self) -> bool:
+        """Some layer attends within a window: only the plugin's PyTorch attention applies one."""
+        return any(self.layer_window(i) is not None for i in range(self.num_hidden_layers))
+
 
 def check_servable(config: EGMLAConfig) -> None:
     """Refuses, naming the problem, what the plugin cannot serve."""
@@ -156,10 +181,11 @@ def check_servable(config: EGMLAConfig) -> None:
     rope_type = (config.rope_parameters or {}).get("rope_type", "default")
     if rope_type not in SERVED_ROPE_TYPES:
         raise ValueError(f"egmla-vllm: rope_type {rope_type!r} is not served (served: {SERVED_ROPE_TYPES}).")
-    if config.hidden_act != "silu":
-        raise ValueError(f"egmla-vllm: hidden_act {config.hidden_act!r} is not served (only silu).")
+    if config.hidden_act not in SERVED_ACTIVATIONS:
+        raise ValueError(f"egmla-vllm: hidden_act {config.hidden_act!r} is not served (served: {SERVED_ACTIVATIONS}).")
     if config.qk_norm:
         check_qk_norm(config)
+    check_windows(config)
     if config.qk_nope_head_dim <= 0 and config.absorbs:
         raise ValueError("egmla-vllm: qk_nope_head_dim 0 leaves vLLM's absorbed MLA decode no key to absorb.")
 
@@ -171,4 +197,14 @@ def check_qk_norm(config: EGMLAConfig) -> None:
         raise ValueError(
             "egmla-vllm: qk_norm needs qk_norm_head_dim and qk_norm_key_heads (dividing num_key_value_heads "
             f"{config.num_key_value_heads}) and no q_lora_rank; got {norm_dim}, {heads}, {config.q_lora_rank}."
+        )
+
+
+def check_windows(config: EGMLAConfig) -> None:
+    """What egmla's config requires of the windowed layers (a folder's config.json may have been edited by hand)."""
+    windowed, layers = config.sliding_window_layers, config.num_hidden_layers
+    if windowed is not None and (config.sliding_window is None or not all(0 <= i < layers for i in windowed)):
+        raise ValueError(
+            f"egmla-vllm: sliding_window_layers ({windowed}) needs a sliding_window ({config.sliding_window}) and "
+            f"layer indices in [0, num_hidden_layers={layers})."
         )

@@ -14,14 +14,14 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from vllm.model_executor.layers.attention import MLAAttention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.llama import LlamaMLP
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
@@ -49,11 +49,15 @@ def attention_scaling(config: EGMLAConfig) -> float:
 
 
 class EGMLARotary(nn.Module):
-    """cos, sin [T, F] of the F = `head_dim` rotary dims at each position (transformers' rope utilities)."""
+    """cos, sin [T, F] of the F = `head_dim` rotary dims at each position (transformers' rope utilities).
+    `rope_theta`: a default-type rotary of that base instead of the config's (the windowed layers',
+    `sliding_rope_theta`)."""
 
-    def __init__(self, config: EGMLAConfig):
+    def __init__(self, config: EGMLAConfig, rope_theta: float | None = None):
         super().__init__()
         rope = config.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}
+        if rope_theta is not None:
+            rope = {"rope_type": "default", "rope_theta": rope_theta}
         if rope.get("rope_type", "default") == "default":
             dim = config.head_dim
             inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
@@ -99,7 +103,9 @@ class EGMLAAttention(nn.Module):
     K/V (without it the weights sum the latents and W^{UV} follows once). `qk_norm`: the query is the source's
     (`q_proj`, its per-head norm, `q_head_proj` to `[nope ; rope]`), and each token's key-norm scales (1/rms of
     `k_norm_proj`, one per key-norm head) are cached after its rope keys; every score of a key is multiplied by its
-    scale, by `KeyScaledAttention` (gate off or on the latent) or in `rebuild`.
+    scale, by `KeyScaledAttention` (gate off or on the latent) or in `rebuild`. A windowed layer (`sliding_window`)
+    attends only within its window, a mask in the plugin's PyTorch attention, which a model with one runs in every
+    mode; its rotary (`rotary`, and the model's per-step cos, sin) is the windowed layers' own where they have one.
     """
 
     def __init__(self, config: EGMLAConfig, layer_idx: int, cache_config: CacheConfig | None, prefix: str,
@@ -156,6 +162,7 @@ class EGMLAAttention(nn.Module):
                 )
         self.register_buffer("rope_dims", torch.tensor(rotary_dims(config, layer_idx)), persistent=False)
         self.tail_padding = tail_padding(self.latent_width, self.tail_width, dtype, self.pytorch_attention)
+        self.sliding_window = config.layer_window(layer_idx)
         self.attn = self.attention_layer(config, cache_config, prefix, dtype)
 
     def add_input_projections(self, config: EGMLAConfig, prefix: str) -> None:
@@ -192,9 +199,9 @@ class EGMLAAttention(nn.Module):
         )  # fmt: skip
         if not self.absorbs:
             up_values = None if self.caches_token_ids else self.up_values
-            return RebuildingAttention(self.rebuild, up_values, **layer)
-        if self.key_norm_heads:  # on a GPU too: vLLM's MLA kernels cannot multiply a key's scores
-            return KeyScaledAttention(self.rope_key_width, self.key_norm_heads, **layer)
+            return RebuildingAttention(self.rebuild, up_values, self.sliding_window, **layer)
+        if self.pytorch_attention:  # on a GPU too: vLLM's MLA kernels neither scale a key's scores nor window them
+            return KeyScaledAttention(self.rope_key_width, self.key_norm_heads, self.sliding_window, **layer)
         if self.absorbed:
             return AbsorbedAttention(self.rope_key_width, latent_kernels(dtype), **layer)
         return MLAAttention(**layer)
@@ -357,6 +364,26 @@ def per_query_head(weight: torch.Tensor, config: EGMLAConfig) -> torch.Tensor:
     return heads.repeat_interleave(config.num_attention_heads // config.num_key_value_heads, dim=0).flatten(0, 1)
 
 
+class EGMLAMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up as one product (vLLM's Llama and Gemma MLPs, by activation)."""
+
+    def __init__(self, config: EGMLAConfig, quant_config: QuantizationConfig | None, prefix: str):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=False, quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+        )  # fmt: skip
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=False, quant_config=quant_config,
+            prefix=f"{prefix}.down_proj",
+        )  # fmt: skip
+        # transformers' silu and gelu_pytorch_tanh (`check_servable` refuses the others by name).
+        self.act_fn = SiluAndMul() if config.hidden_act == "silu" else GeluAndMul(approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)[0]))[0]
+
+
 class EGMLADecoderLayer(nn.Module):
     def __init__(self, config: EGMLAConfig, layer_idx: int, cache_config: CacheConfig | None, prefix: str,
                  gate_table: nn.Embedding | None = None, rotary: "EGMLARotary | None" = None,
@@ -365,21 +392,30 @@ class EGMLADecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = EGMLAAttention(config, layer_idx, cache_config, f"{prefix}.self_attn", gate_table, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act, quant_config, prefix=f"{prefix}.mlp"
-        )
+        self.mlp = EGMLAMLP(config, quant_config, prefix=f"{prefix}.mlp")
+        self.attention_output_norm = self.mlp_output_norm = None  # `sandwich_norms`: on each output (Gemma 3)
+        if config.sandwich_norms:
+            self.attention_output_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.mlp_output_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
         self, rotary, hidden_states: torch.Tensor, residual: torch.Tensor | None, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's output and the residual stream before it, as vLLM's Llama (norms fused with the adds)."""
+        """The layer's output and the residual stream before it, as vLLM's Llama (norms fused with the adds). With
+        `sandwich_norms` each output is normed before it joins the stream, as vLLM's Gemma 3: the next fused
+        add+norm adds the normed output."""
         if residual is None:
             hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(rotary, hidden_states, input_ids)
+        if self.attention_output_norm is not None:
+            hidden_states = self.attention_output_norm(hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        hidden_states = self.mlp(hidden_states)
+        if self.mlp_output_norm is not None:
+            hidden_states = self.mlp_output_norm(hidden_states)
+        return hidden_states, residual
 
 
 @support_torch_compile  # compiled unless `enforce_eager`, as vLLM's Llama; the attention stays one opaque op
@@ -395,12 +431,20 @@ class EGMLAModel(nn.Module):
             nn.Embedding(config.vocab_size, config.gate_embedding_dim)
             for _ in range(config.num_hidden_layers // config.gate_layers_per_table if config.gate_enabled else 0)
         )
-        self.rotary = EGMLARotary(config)
+        # Made in the model's dtype (vLLM builds it under that default), as Gemma's scaled embedding multiplies.
+        self.register_buffer("embedding_multiplier", torch.tensor(config.embedding_multiplier), persistent=False)
+        # The rotaries, the windowed layers' own base second (`sliding_rope_theta`), and which one each layer takes.
+        self.rotaries = nn.ModuleList([EGMLARotary(config)])
+        if config.sliding_rope_theta is not None:
+            self.rotaries.append(EGMLARotary(config, rope_theta=config.sliding_rope_theta))
+        sliding = len(self.rotaries) - 1  # the first where the windowed layers share the others' rotary
+        kinds = [sliding if config.layer_window(i) is not None else 0 for i in range(config.num_hidden_layers)]
+        self.register_buffer("layer_rotary_kind", torch.tensor(kinds)[:, None, None], persistent=False)  # [L, 1, 1]
         self.layers = nn.ModuleList(
             EGMLADecoderLayer(
                 config, i, vllm_config.cache_config, f"{prefix}.layers.{i}",
                 self.gate_embeddings[i // config.gate_layers_per_table] if config.gate_enabled else None,
-                self.rotary, vllm_config.quant_config,
+                self.rotaries[kinds[i]], vllm_config.quant_config,
             )
             for i in range(config.num_hidden_layers)
         )  # fmt: skip
@@ -409,11 +453,23 @@ class EGMLAModel(nn.Module):
         self.register_buffer("layer_rope_dims", torch.tensor(layer_dims), persistent=False)  # [L, Hr, dr]
 
     def layer_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer's cos, sin [T, L, Hr, 1, dr] of its rope keys' own frequencies, gathered once per step."""
-        return tuple(part.to(dtype)[:, self.layer_rope_dims].unsqueeze(3) for part in self.rotary(positions))
+        """Every layer's cos, sin [T, L, Hr, 1, dr] of its rope keys' own frequencies in its own rotary, gathered
+        once per step."""
+        rotations = [rotary(positions) for rotary in self.rotaries]  # each (cos, sin) [T, F]
+        return tuple(
+            torch.stack(parts, dim=1).to(dtype)[:, self.layer_rotary_kind, self.layer_rope_dims].unsqueeze(3)
+            for parts in zip(*rotations, strict=True)
+        )  # [T, K, F] -> [T, L, Hr, 1, dr]
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings, times `embedding_multiplier` in their dtype (as egmla)."""
+        embeds = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier == 1.0:
+            return embeds
+        return embeds * self.embedding_multiplier.to(embeds.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
+        hidden_states, residual = self.embed_input_ids(input_ids), None
         cos, sin = self.layer_rotary(positions, hidden_states.dtype)  # the model's dtype
         for index, layer in enumerate(self.layers):
             hidden_states, residual = layer((cos[:, index], sin[:, index]), hidden_states, residual, input_ids)
@@ -436,7 +492,7 @@ class EGMLAForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        return self.model.embed_input_ids(input_ids)
 
     def forward(
         self,

@@ -34,6 +34,10 @@ TINY = dict(
 )  # fmt: skip
 # qk_norm's fields (a converted Qwen3's): each query head normed over 12 values, 2 key-norm heads.
 QK_NORM = dict(qk_norm=True, qk_norm_head_dim=12, qk_norm_key_heads=2)
+# A converted Gemma 3's layers: norms on the attention's and MLP's outputs, a scaled embedding, GELU-tanh, and a
+# windowed layer with its own RoPE base (a window of 5, shorter than the prompts and their continuations).
+WINDOW = dict(sliding_window=5, sliding_window_layers=[0], sliding_rope_theta=100.0)
+GEMMA_LAYERS = dict(sandwich_norms=True, embedding_multiplier=8.0, hidden_act="gelu_pytorch_tanh", **WINDOW)
 # Every mode the plugin serves, on tiny random folders (three with 2 key heads for 4 query heads, GQA: the absorbed
 # gate on the latent, the gate on K/V with two rope keys, the RoPE-exact latent): the gate on the latent with one
 # rope key; the gate off with
@@ -84,7 +88,17 @@ TINY_FOLDERS = {
         gate_embedding_dim=8, gate_position="kv", num_key_value_heads=2, rope_key_heads=2,
         **{**QK_NORM, "qk_norm_key_heads": 1},
     ),
+    # A converted Gemma 3 (qk_norm and Gemma's layers): the gate off (`KeyScaledAttention`), and the gate on K/V with
+    # the RoPE-exact latent (the rebuilding attention: the windowed layer's rebuilt keys turn with its own base); a
+    # windowed layer without qk_norm, the gate on the latent (the PyTorch absorbed attention, keys unscaled).
+    "qk-norm-gemma-gate-off": dict(gate_embedding_dim=0, **QK_NORM, **GEMMA_LAYERS),
+    "qk-norm-gemma-exact-gate-kv": dict(
+        gate_embedding_dim=8, gate_position="kv", rope_mode="exact", rope_frequency_dim=16, **QK_NORM, **GEMMA_LAYERS
+    ),
+    "windowed-gate-latent": dict(gate_embedding_dim=8, gate_position="latent", **{**WINDOW, "sliding_window_layers": [1]}),
 }  # fmt: skip
+# The folders whose greedy tokens are checked too (random norm weights, peaked attention).
+PEAKED_FOLDERS = [name for name in TINY_FOLDERS if name.startswith(("qk-norm", "windowed"))]
 
 
 @pytest.fixture(scope="module")
@@ -104,15 +118,15 @@ def save_folder(model: EGMLAForCausalLM, folder: Path) -> Path:
 
 
 def tiny_model(name: str) -> EGMLAForCausalLM:
-    """A tiny random folder's model; with qk_norm its norm weights random too (the query norm's would be ones) and
-    its attention peaked (`with_peaked_attention`)."""
+    """A tiny random folder's model; with qk_norm or a window its norm weights random too (the query norm's would be
+    ones) and its attention peaked (`with_peaked_attention`)."""
     torch.manual_seed(0)
     model = EGMLAForCausalLM(EGMLAConfig(**{**TINY, **TINY_FOLDERS[name]})).eval()
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
             if "gate_embedding_proj" in parameter_name:  # a trained gate, not the identity it starts as
                 parameter.normal_(0.0, 0.2)
-    return with_peaked_attention(with_random_norms(model)) if model.config.qk_norm else model
+    return with_peaked_attention(with_random_norms(model)) if name in PEAKED_FOLDERS else model
 
 
 def with_random_norms(model: EGMLAForCausalLM) -> EGMLAForCausalLM:
@@ -126,10 +140,12 @@ def with_random_norms(model: EGMLAForCausalLM) -> EGMLAForCausalLM:
 
 def with_peaked_attention(model: EGMLAForCausalLM) -> EGMLAForCausalLM:
     """The query's, keys' and key norm's projections drawn at std 0.3 (not 0.02): scores far from uniform, so a
-    key-norm scale applied to the wrong key or head moves the logprobs far past the tolerance."""
+    key-norm scale applied to the wrong key or head moves the logprobs far past the tolerance (and a window
+    misplaced too). Without qk_norm the query's projection is the one drawn (with it, the norm undoes its scale)."""
+    query = "q_head_proj.weight" if model.config.qk_norm else "q_proj.weight"
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith(("q_head_proj.weight", "kv_b_proj.weight", "k_norm_proj.weight")):
+            if name.endswith((query, "kv_b_proj.weight", "k_norm_proj.weight")):
                 parameter.normal_(0.0, 0.3)
     return model
 
@@ -170,12 +186,14 @@ def qwen2_models() -> dict[str, EGMLAForCausalLM]:
     }
 
 
-LONG_PROMPTS_FOLDERS = ["gate-latent", "gate-kv-two-rope-keys", "exact-gate-kv", "qk-norm-gate-latent-gqa"]
+LONG_PROMPTS_FOLDERS = [
+    "gate-latent", "gate-kv-two-rope-keys", "exact-gate-kv", "qk-norm-gate-latent-gqa", "qk-norm-gemma-gate-off",
+]  # fmt: skip
 # bf16: vLLM's CPU latent kernels for the absorbed modes (rows of 32, 40 padded to 64, 26 padded to 32), the
 # rebuilding attention for the gate on K/V, and the key-scaled attention for qk_norm.
 BFLOAT16_FOLDERS = [
     "gate-latent", "gate-latent-two-rope-keys-llama3", "gate-off-qlora-ranks-tied", "gate-off-odd-widths",
-    "gate-kv-two-rope-keys", "qk-norm-gate-off", "qk-norm-gate-latent-gqa",
+    "gate-kv-two-rope-keys", "qk-norm-gate-off", "qk-norm-gate-latent-gqa", "qk-norm-gemma-gate-off",
 ]  # fmt: skip
 STORIES_PROMPTS = [[1, 403, 407, 261, 378], [1, 365, 2]]
 
@@ -239,6 +257,10 @@ def served(vllm_python, tmp_path_factory) -> dict[str, tuple[dict, EGMLAForCausa
     config = json.loads((incomplete / "config.json").read_text())
     (incomplete / "config.json").write_text(json.dumps({**config, "qk_norm_key_heads": None}))  # edited by hand
     add("qk-norm-incomplete", models["tiny/qk-norm-gate-off"][0], PROMPTS, folder=incomplete)
+    unknown = save_folder(models["tiny/gate-latent"][0], root / "unknown-field")
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "attention_sinks": True}))  # a field it does not know
+    add("unknown-field", models["tiny/gate-latent"][0], PROMPTS, folder=unknown)
     results = run_vllm(vllm_python, requests, root)
     return {name: (results[name], *models[name]) for name in requests}
 
@@ -340,17 +362,20 @@ def test_a_converted_qwen2_in_bfloat16_keeps_its_biases(served):
     assert_logprobs_agree(student, prompts, result, tolerance=0.15)
 
 
-def test_an_unserved_rope_type_and_an_incomplete_qk_norm_are_refused_by_name(served):
+def test_an_unserved_rope_type_an_incomplete_qk_norm_and_an_unknown_field_are_refused_by_name(served):
     result, _, _ = served["dynamic-rope"]
     assert "rope_type 'dynamic' is not served" in result.get("error", "")
     result, _, _ = served["qk-norm-incomplete"]
     assert "qk_norm needs qk_norm_head_dim and qk_norm_key_heads" in result.get("error", "")
+    result, _, _ = served["unknown-field"]
+    assert "does not serve the config field(s) ['attention_sinks']" in result.get("error", "")
 
 
-@pytest.mark.parametrize("name", [name for name in TINY_FOLDERS if name.startswith("qk-norm")])
-def test_qk_norm_folders_give_transformers_greedy_tokens(served, name):
-    """qk_norm (random norm weights): transformers' greedy tokens, besides the logprobs checked with every tiny
-    folder; the cache row holds one key-norm scale per key-norm head, nothing per query head."""
+@pytest.mark.parametrize("name", PEAKED_FOLDERS)
+def test_qk_norm_and_windowed_folders_give_transformers_greedy_tokens(served, name):
+    """qk_norm and windowed layers (random norm weights, peaked attention): transformers' greedy tokens, besides the
+    logprobs checked with every tiny folder; the cache row holds one key-norm scale per key-norm head, nothing per
+    query head, and every token of a windowed layer (the window is the attention's, as in transformers' cache)."""
     result, model, prompts = result_of(served, f"tiny/{name}")
     for prompt, tokens in zip(prompts, result["tokens"], strict=True):
         with torch.no_grad():
@@ -359,8 +384,8 @@ def test_qk_norm_folders_give_transformers_greedy_tokens(served, name):
 
 
 # Run in the vLLM venv: the plugin's PyTorch attention over a paged cache whose unused slots hold NaN (a reused block
-# may hold anything), for requests of unequal lengths, one new token each (a decode) and several after cached context,
-# against attention over each request's own rows.
+# may hold anything), for requests of unequal lengths, one new token each (a decode) and several after cached context
+# (within a window too), against attention over each request's own rows.
 PAGED_DECODE_CHECK = """
 import torch
 from egmla_vllm.attention import attend_over_cache, request_rows
@@ -395,6 +420,15 @@ for request, length in enumerate(seq_lens.tolist()):
         position = length - int(query_lens[request]) + offset  # it sees the cache up to itself
         weights = torch.softmax(query[starts[request] + offset] @ own[: position + 1].T * 0.3, dim=-1)
         torch.testing.assert_close(attended[starts[request] + offset], weights @ own[: position + 1, :rank])
+# A windowed layer (a window of 4): each new token sees only the keys at i - 4 < j <= i.
+attended = attend_over_cache(query, key, key[..., :rank], valid, seq_lens, starts, 0.3, sliding_window=4)
+for request, length in enumerate(seq_lens.tolist()):
+    own = rows[request, :length]
+    for offset in range(int(query_lens[request])):
+        position = length - int(query_lens[request]) + offset
+        seen = own[max(0, position - 3) : position + 1]
+        weights = torch.softmax(query[starts[request] + offset] @ seen.T * 0.3, dim=-1)
+        torch.testing.assert_close(attended[starts[request] + offset], weights @ seen[:, :rank])
 print("OK")
 """
 

@@ -19,11 +19,15 @@ SHARED_RULES = (
 )  # fmt: skip
 
 
-def plugin_config_class() -> type:
+def plugin_config_module():
     spec = importlib.util.spec_from_file_location("egmla_vllm_config", PLUGIN / "config.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.EGMLAConfig
+    return module
+
+
+def plugin_config_class() -> type:
+    return plugin_config_module().EGMLAConfig
 
 
 def declared_defaults(cls: type) -> dict:
@@ -43,11 +47,40 @@ def test_the_plugin_names_and_computes_egmlas_rules_alike(mode):
     for rule in SHARED_RULES:
         assert getattr(theirs, rule) == getattr(ours, rule), rule
     assert [theirs.layer_kv_lora_rank(i) for i in range(2)] == [ours.layer_kv_lora_rank(i) for i in range(2)]
+    assert [theirs.layer_window(i) for i in range(2)] == [ours.layer_window(i) for i in range(2)]
+
+
+def test_a_config_field_the_plugin_does_not_know_is_refused_by_name():
+    """A newer egmla's field would otherwise be set and ignored: every field egmla has is declared (above), any
+    other key refused, naming it."""
+    config = EGMLAConfig(**tiny_config(**MODES["gemma"]).to_dict())
+    plugin_config_class().from_dict(config.to_dict())  # egmla's own config.json (with its bookkeeping) loads
+    with pytest.raises(ValueError, match=r"does not serve the config field\(s\) \['attention_sinks'\]"):
+        plugin_config_class().from_dict({**config.to_dict(), "attention_sinks": True})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refusal"),
+    [
+        ({"hidden_act": "relu"}, "hidden_act 'relu' is not served"),
+        ({"sliding_window_layers": [0]}, r"sliding_window_layers \(\[0\]\) needs a sliding_window"),
+        ({"sliding_window": 4, "sliding_window_layers": [2]}, "layer indices in"),
+    ],
+)
+def test_unserved_values_are_refused_by_name(overrides, refusal):
+    """A config.json edited by hand (egmla's own config refuses these too)."""
+    module = plugin_config_module()
+    fields = {name: getattr(tiny_config(), name) for name in declared_defaults(EGMLAConfig)}
+    with pytest.raises(ValueError, match=refusal):
+        module.check_servable(module.EGMLAConfig(**{**fields, **overrides}))
 
 
 def test_every_vllm_layer_is_built_with_its_prefix():
     """vLLM names a layer's weights and quantization by its prefix: every layer the plugin builds passes one."""
-    layers = {"ReplicatedLinear", "VocabParallelEmbedding", "ParallelLMHead", "LlamaMLP", "MLAAttention"}
+    layers = {
+        "ReplicatedLinear", "VocabParallelEmbedding", "ParallelLMHead", "MergedColumnParallelLinear", "RowParallelLinear",
+        "MLAAttention",
+    }  # fmt: skip
     calls = [
         node
         for node in ast.walk(ast.parse((PLUGIN / "model.py").read_text()))
