@@ -948,6 +948,20 @@ class EGMLAAttention(nn.Module):
         keys = self.k_norm_proj(hidden_states).view(batch_size, seq_length, self.key_norm_heads, -1)
         return key_norm_scale(keys, self.config.rms_norm_eps).view(batch_size, 1, seq_length, -1)
 
+    def update_cache(
+        self, cache: Cache, latent: torch.Tensor, rope_key: torch.Tensor, key_scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Appends the new latents [B, 1, S, r], rope keys and key-norm scales; returns those of the context the cache
+        keeps ([B, 1, T, .]; T: a windowed layer's kept positions and the new ones) and its rows side by side."""
+        if key_scale is not None:  # cached beside the rope key: [B, 1, S, Hr*dr + Hn]
+            rope_key = torch.cat([rope_key, key_scale], dim=-1)
+        window = {"sliding_window": self.sliding_window} if self.sliding_window is not None else {}
+        latent, rope_key = cache.update(latent, rope_key, self.layer_idx, **window)
+        cached_rows = getattr(cache.layers[self.layer_idx], "cached_rows", lambda: None)()
+        if key_scale is not None:
+            rope_key, key_scale = rope_key.split([self.rope_key_width, self.key_norm_heads], dim=-1)
+        return latent, rope_key, key_scale, cached_rows
+
     def gate(self, states: torch.Tensor, gate_rows: EGMLAGateRows) -> torch.Tensor:
         """states [B, T, W] * (1 + W^{UE} e) [B, T, W], the product computed once per row and gathered."""
         return states * gate_block(1 + self.gate_embedding_proj(gate_rows.rows), gate_rows, 0, gate_rows.length)
@@ -994,14 +1008,7 @@ class EGMLAAttention(nn.Module):
         key_scale = self.key_scale(hidden_states).to(rope_key.dtype) if self.key_norm_heads else None  # [B, 1, S, Hn]
         cached_rows = None
         if cache is not None:
-            if key_scale is not None:  # cached beside the rope key: [B, 1, S, Hr*dr + Hn]
-                rope_key = torch.cat([rope_key, key_scale], dim=-1)
-            window = {"sliding_window": self.sliding_window} if self.sliding_window is not None else {}
-            # [B, 1, T, r], [B, 1, T, Hr*dr (+Hn)]; T: a windowed layer's kept positions and the new ones
-            latent, rope_key = cache.update(latent, rope_key, self.layer_idx, **window)
-            cached_rows = getattr(cache.layers[self.layer_idx], "cached_rows", lambda: None)()
-            if key_scale is not None:
-                rope_key, key_scale = rope_key.split([self.rope_key_width, self.key_norm_heads], dim=-1)
+            latent, rope_key, key_scale, cached_rows = self.update_cache(cache, latent, rope_key, key_scale)
             gate_rows, key_rotary = last_positions(latent.shape[2], gate_rows, key_rotary)
         # By shape, not by the cache's length (a tensor in a static cache: comparing it would sync and break graphs).
         # Several new tokens without a mask are a prompt at offset 0 (a static cache's unwritten slots follow it):
