@@ -92,7 +92,7 @@ def reference(module, step: EGMLAStep, mask: torch.Tensor) -> torch.Tensor:
     """The model's own (eager) decode path: the absorbed MQA where it is exact, else the re-expansion."""
     if module.absorbs:
         return absorbed_attention(step, mask[:, None])[0]
-    key, value = expand_kv(module, step.latent, step.rope_key, step.gate_rows, step.key_rotary)
+    key, value = expand_kv(module, step.latent, step.rope_key, step.gate_rows, step.key_rotary, step.key_scale)
     additive = torch.zeros(mask.shape, dtype=step.q_nope.dtype).masked_fill(~mask, torch.finfo(step.q_nope.dtype).min)
     query = torch.cat([step.q_nope, step.q_rope], dim=-1)
     return eager_attention_forward(module, query, key, value, additive[:, None], scaling=module.scaling)[0]
@@ -505,16 +505,32 @@ def test_a_compiled_backend_asked_for_by_name_raises_its_error_and_only_the_auto
 
 
 @pytest.mark.parametrize("gate_position", ["kv", "latent"])
-def test_qk_norm_layers_decode_by_the_reference_path_under_egmla_fused(monkeypatch, caplog, gate_position):
-    """The kernels do not read the key-norm scales: a `qk_norm` model's decode steps go to the reference path,
-    which says so once, and generate its tokens."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_fused_kernels_multiply_each_keys_norm_scale_as_the_reference(gate_position, backend):
+    """qk_norm: each cached key's norm scale (one per key-norm head, here 2 for 4 query heads) multiplies its scores
+    in the fused kernels as in the reference path, absorbed (gate on the latent) and rebuilding (gate on K/V)."""
+    module = attention_module(gate_position, 2, 10, "rms")
+    step, mask = decode_step(module, 2, 37, 2, 3)
+    scales = torch.rand(2, 1, 37, 2, generator=torch.Generator().manual_seed(5)) + 0.5  # [B, 1, T, Hn]
+    step = step._replace(key_scale=scales)
+    expected = reference(module, step, mask)
+    output = kernels.fused_decode(step, mask[:, None], backend)
+    assert output is not None, dispatch._compile_failed
+    assert relative_error(output, expected) <= 1e-4
+    unscaled = reference(module, step._replace(key_scale=None), mask)
+    assert relative_error(unscaled, expected) > 1e-2  # the scales matter
+
+
+@pytest.mark.parametrize("gate_position", ["kv", "latent"])
+def test_generate_of_a_qk_norm_model_with_egmla_fused_gives_the_reference_tokens(monkeypatch, gate_position):
+    """A `qk_norm` model's decode steps run the fused kernels (no fallback) and give the reference path's tokens."""
     model = tiny_model(seed=1, base=FUSED, gate_position=gate_position, qk_norm=True, **QK_NORM)
     prompts = torch.randint(1, 80, (2, 6), generator=torch.Generator().manual_seed(3))
     model.set_attn_implementation("eager")
     expected = model.generate(prompts, max_new_tokens=5, do_sample=False)
-    monkeypatch.setattr(dispatch, "kernel", lambda *args: pytest.fail("a kernel ran on a qk_norm step"))
-    monkeypatch.setattr(dispatch, "_logged", set())
+    ran = []
+    run_step = dispatch.run_step
+    monkeypatch.setattr(dispatch, "run_step", lambda step, *args: ran.append(step.key_scale) or run_step(step, *args))
     model.set_attn_implementation("egmla_fused_compiled")
-    with caplog.at_level(logging.WARNING, logger="egmla.kernels.dispatch"):
-        assert torch.equal(model.generate(prompts, max_new_tokens=5, do_sample=False), expected)
-    assert "do not read the key-norm scales" in caplog.text
+    assert torch.equal(model.generate(prompts, max_new_tokens=5, do_sample=False), expected)
+    assert ran and all(scale is not None for scale in ran)

@@ -120,6 +120,14 @@ def rope_query_slots(layout, q_rope: torch.Tensor) -> torch.Tensor:
     return slots.view(batch_size, heads, query_length, -1)
 
 
+def per_head_key_scale(step) -> torch.Tensor | None:
+    """qk_norm: the cached key-norm scales [B, 1, T, Hn] as each query head reads them, [B, H, T] float32."""
+    if step.key_scale is None:
+        return None
+    heads = step.q_nope.shape[1]
+    return step.key_scale[:, 0].transpose(1, 2).float().repeat_interleave(heads // step.key_scale.shape[-1], dim=1)
+
+
 def kv_step(step, mask: torch.Tensor, backend: str) -> torch.Tensor:
     """A step that rebuilds every cached key and value (gate on K/V, or "exact" rope): [B, S, H, dv]."""
     layout, gate_weight = step.layout, step.gate_weight  # [Hkv, dk+dv, de], None unless the gate is on K/V
@@ -133,6 +141,7 @@ def kv_step(step, mask: torch.Tensor, backend: str) -> torch.Tensor:
         key_cos=key_cos,
         key_sin=key_sin,
         mask=mask,
+        key_scale=per_head_key_scale(step),
     )
     weights = KVDecodeWeights(
         kv_weight=step.kv_weight,
@@ -158,6 +167,7 @@ def run_step(step, mask: torch.Tensor, backend: str) -> torch.Tensor:
         latent=step.latent[:, 0],
         rope_key=step.rope_key[:, 0],
         mask=mask,
+        key_scale=per_head_key_scale(step),
     )
     out_latent = kernel(backend, "decode_latent")(inputs, step.layout.scaling)  # [B, H, S, r]
     return torch.einsum("bhsr,hrv->bshv", out_latent, step.uv_weight)
@@ -176,9 +186,6 @@ def fused_decode(step, attention_mask: torch.Tensor | None, backend: str, by_nam
         return None
     if step.layout.kv_norm and step.norm_weight is None:
         log_once("egmla_fused: an offload hook holds the gate norm's weight, so decoding uses the reference path.")
-        return None
-    if step.key_scale is not None:
-        log_once("egmla_fused: the kernels do not read the key-norm scales (qk_norm), so decoding uses the reference.")
         return None
     if backend == "triton" and torch.is_grad_enabled() and (step.q_nope.requires_grad or step.latent.requires_grad):
         log_once(

@@ -17,7 +17,7 @@ def decode_kv(inputs: KVDecodeInputs, weights: KVDecodeWeights) -> torch.Tensor:
     gate depends on the token only: its product is computed once per gate row (one per distinct cached token when
     `gate_index` is given) and gathered per position.
     """
-    query, latent, rope_key, gate_rows, gate_index, key_cos, key_sin, mask = inputs
+    query, latent, rope_key, gate_rows, gate_index, key_cos, key_sin, mask, key_scale = inputs
     kv_weight, gate_weight, norm_weight, norm_eps, scaling, nope_dim, rope_key_heads, absorb_values = weights
     batch_size, heads, query_length, qk_dim = query.shape
     key_length, key_heads = latent.shape[1], kv_weight.shape[0]
@@ -48,6 +48,8 @@ def decode_kv(inputs: KVDecodeInputs, weights: KVDecodeWeights) -> torch.Tensor:
         rope_key = rope_key.view(batch_size, key_length, rope_key_heads, rope_dim).permute(0, 2, 3, 1).unsqueeze(2)
         scores = scores + torch.matmul(query_rope, rope_key).view(scores.shape)
     scores = scores.float().view(batch_size, heads, query_length, key_length) * scaling
+    if key_scale is not None:  # qk_norm: every score of a key times its norm's scale
+        scores = scores * key_scale[:, :, None]
     scores = scores.masked_fill(~mask[:, None], float("-inf")).view(batch_size, key_heads, -1, key_length)
     if absorb_values:  # every head's weights over the shared latents [B, Hkv, M, r], then W^{UV} per key head
         out_latent = torch.matmul(torch.softmax(scores, dim=-1).to(latent.dtype), latent[:, None])
@@ -60,12 +62,15 @@ def decode_kv(inputs: KVDecodeInputs, weights: KVDecodeWeights) -> torch.Tensor:
 def decode_latent(inputs: LatentDecodeInputs, scaling: float) -> torch.Tensor:
     """The absorbed MQA: every head attends over the shared [latent ; rope key] and reads back the latent
     (`interface.LatentDecodeInputs` gives the shapes). Returns the attended latent [B, H, S, r]."""
-    query_latent, query_rope, latent, rope_key, mask = inputs
+    query_latent, query_rope, latent, rope_key, mask, key_scale = inputs
     batch_size, heads, query_length, _ = query_latent.shape
     # One KV head: the query heads fold into the rows of batched products over [B, H*S, .], no copy per head.
     scores = torch.bmm(query_latent.reshape(batch_size, heads * query_length, -1), latent.transpose(1, 2))
     scores = scores + torch.bmm(query_rope.reshape(batch_size, heads * query_length, -1), rope_key.transpose(1, 2))
     scores = scores.view(batch_size, heads, query_length, -1)  # [B, H, S, T]
-    scores = (scores.float() * scaling).masked_fill(~mask[:, None], float("-inf"))
+    scores = scores.float() * scaling
+    if key_scale is not None:  # qk_norm: every score of a key times its norm's scale
+        scores = scores * key_scale[:, :, None]
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(latent.dtype)
     return torch.bmm(probs.view(batch_size, heads * query_length, -1), latent).view(batch_size, heads, query_length, -1)

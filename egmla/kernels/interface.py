@@ -17,6 +17,7 @@ class KVDecodeInputs(NamedTuple):
     key_cos: torch.Tensor | None  # [B, T, dr] "exact" rope: the rebuilt keys' rope dims turn with their positions
     key_sin: torch.Tensor | None  # [B, T, dr] (None, None: decoupled rope, the rotated rope key is `rope_key`)
     mask: torch.Tensor  # [B, S, T] bool, True = attend
+    key_scale: torch.Tensor | None = None  # [B, H, T] float32: qk_norm, each key's norm scale for each query head
 
 
 class KVDecodeWeights(NamedTuple):
@@ -43,6 +44,7 @@ class LatentDecodeInputs(NamedTuple):
     latent: torch.Tensor  # [B, T, r]
     rope_key: torch.Tensor  # [B, T, Hr*dr]
     mask: torch.Tensor  # [B, S, T] bool
+    key_scale: torch.Tensor | None = None  # [B, H, T] float32: qk_norm, each key's norm scale for each query head
 
 
 # Dims that change from step to step (batch, new tokens, context, distinct tokens), by field; weights and head dims
@@ -57,6 +59,7 @@ DYNAMIC_DIMS = {
         "key_cos": (0, 1),
         "key_sin": (0, 1),
         "mask": (0, 1, 2),
+        "key_scale": (0, 2),
     },
     LatentDecodeInputs: {
         "query_latent": (0, 2),
@@ -64,5 +67,6 @@ DYNAMIC_DIMS = {
         "latent": (0, 1),
         "rope_key": (0, 1),
         "mask": (0, 1, 2),
+        "key_scale": (0, 2),
     },
 }

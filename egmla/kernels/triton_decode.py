@@ -96,6 +96,7 @@ def _decode_kv_kernel(
     gate_weight_ptr,  # [HKV, DK + DV, DE]
     norm_weight_ptr,  # [DK + DV]
     mask_ptr,  # [B, S, T] int8
+    key_scale_ptr,  # [B, H, T] float32 (HAS_SCALE: qk_norm, each key's norm scale for each query head)
     acc_ptr,  # [B, H, S, SPLITS, DO]: DO = R (ABSORB_VALUES: the weighted sum of latents) or DV
     max_ptr,  # [B, H, S, SPLITS]
     sum_ptr,  # [B, H, S, SPLITS]
@@ -122,6 +123,7 @@ def _decode_kv_kernel(
     GATE_INDEXED: tl.constexpr,
     HAS_NORM: tl.constexpr,
     ABSORB_VALUES: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     DO: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -235,6 +237,8 @@ def _decode_kv_kernel(
                 other=0.0,
             ).to(tl.float32)
             score += tl.sum(rope_key * q_rope[None, :], axis=1)
+        if HAS_SCALE:  # qk_norm: every score of a key times its norm's scale
+            score = score * tl.load(key_scale_ptr + (b * heads + h) * key_length + t, mask=inside, other=1.0)
         allowed = tl.load(mask_ptr + (b * query_length + s) * key_length + t, mask=inside, other=0) != 0
         score = tl.where(allowed, score * scaling, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(score, axis=0))
@@ -257,6 +261,7 @@ def _decode_latent_kernel(
     latent_ptr,  # [B, T, R], rows `latent_row_stride` apart (a view of the cache's [latent ; rope key] rows)
     rope_key_ptr,  # [B, T, RW], rows `rope_row_stride` apart
     mask_ptr,  # [B, S, T] int8
+    key_scale_ptr,  # [B, H, T] float32 (HAS_SCALE: qk_norm, each key's norm scale for each query head)
     acc_ptr,  # [B, M, SPLITS, R]
     max_ptr,  # [B, M, SPLITS]
     sum_ptr,  # [B, M, SPLITS]
@@ -273,6 +278,7 @@ def _decode_latent_kernel(
     scaling,
     R: tl.constexpr,
     RW: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -323,6 +329,12 @@ def _decode_latent_kernel(
             rope_key = rope_key.to(tl.float32)
         score = tl.dot(q_latent, tl.trans(latent), input_precision=PRECISION)
         score += tl.dot(q_rope, tl.trans(rope_key), input_precision=PRECISION)  # [BLOCK_M, BLOCK_T]
+        if HAS_SCALE:  # qk_norm: every score of a key times its norm's scale, the head's (row m = head * S + s)
+            score = score * tl.load(
+                key_scale_ptr + (b * (rows // query_length) + m[:, None] // query_length) * key_length + t[None, :],
+                mask=row_ok[:, None] & inside[None, :],
+                other=1.0,
+            )
         allowed = tl.load(
             mask_ptr + (b * query_length + s[:, None]) * key_length + t[None, :],
             mask=row_ok[:, None] & inside[None, :],
@@ -384,6 +396,7 @@ def kv_operands(inputs: KVDecodeInputs, weights: KVDecodeWeights) -> dict:
         "gate_weight_ptr": weights.gate_weight.to(dtype).contiguous() if gated else latent,
         "norm_weight_ptr": weights.norm_weight.contiguous() if weights.norm_weight is not None else latent,
         "mask_ptr": inputs.mask.to(torch.int8).contiguous(),
+        "key_scale_ptr": inputs.key_scale.contiguous() if inputs.key_scale is not None else latent,
     }
 
 
@@ -430,6 +443,7 @@ def decode_kv(
         GATE_INDEXED=inputs.gate_index is not None,
         HAS_NORM=weights.norm_weight is not None,
         ABSORB_VALUES=weights.absorb_values,
+        HAS_SCALE=inputs.key_scale is not None,
         DO=out_dim,
         PRECISION=precision(latent.dtype),
         UPCAST=INTERPRETED,
@@ -452,7 +466,7 @@ def decode_latent(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See `fused_torch.decode_latent`; returns [B, H, S, r] (written into `out` when given)."""
-    query_latent, query_rope, latent, rope_key, mask = inputs
+    query_latent, query_rope, latent, rope_key, mask, key_scale = inputs
     batch_size, heads, query_length, rank = query_latent.shape
     key_length, rope_width = latent.shape[1], rope_key.shape[2]
     rows = heads * query_length
@@ -468,6 +482,7 @@ def decode_latent(
         query_rope_ptr=query_rope.to(latent.dtype).reshape(batch_size, rows, rope_width).contiguous(),
         **cache_rows(latent, rope_key),
         mask_ptr=mask.to(torch.int8).contiguous(),
+        key_scale_ptr=key_scale.contiguous() if key_scale is not None else latent,
         acc_ptr=acc,
         max_ptr=running_max,
         sum_ptr=running_sum,
@@ -480,6 +495,7 @@ def decode_latent(
         scaling=scaling,
         R=rank,
         RW=rope_width,
+        HAS_SCALE=key_scale is not None,
         PRECISION=precision(latent.dtype),
         UPCAST=INTERPRETED,
         BLOCK_M=block_m,
