@@ -184,6 +184,7 @@ def test_egmla_convert_of_a_gemma3_folder_keeps_its_layers_and_windows(tmp_path)
     assert (config.sliding_window, config.sliding_window_layers, config.sliding_rope_theta) == (24, [0], 1e4)
     report = json.loads((out / "conversion_report.json").read_text())
     assert report["kv"]["converted"] == pytest.approx(report["kv"]["source"] / 2)  # both keep windows
+    assert report["budget"]["windowed_layers"] == {"layers": [0], "of": 2, "window": 24, "converted": True}
     full = tmp_path / "full"
     main(["convert", str(folder), "--out", str(full), "--kv-lora-rank", "64", "--rope-split", "exact", "--steps", "0",
           "--reconstruction-steps", "0", "--gate-embedding-dim", "0", "--calibration-blocks", "4", "--block-size", "32",

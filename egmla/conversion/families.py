@@ -152,6 +152,15 @@ def student_fields(config) -> dict:
     return fields
 
 
+def windowed_layers(student_config) -> dict:
+    """The report's record of the windowed layers: converted (the only way egmla takes them), which, and the window."""
+    layers = student_config.sliding_window_layers or []
+    if not layers:
+        return {}
+    return {"windowed_layers": {"layers": layers, "of": student_config.num_hidden_layers,
+                                "window": student_config.sliding_window, "converted": True}}  # fmt: skip
+
+
 def hidden_act(config) -> str:
     """The MLP's activation (Gemma 3 names its field `hidden_activation`)."""
     return getattr(config, "hidden_activation", None) or config.hidden_act

@@ -24,6 +24,7 @@ from ..text import (
     token_blocks,
 )
 from ..training import FinetuneSettings, finetune, resume_checkpoint, saved_checkpoint, settings_summary
+from . import families
 from .convert import ConversionOptions, assemble, student_config
 from .decode_cost import cost_row, egmla_cost, measure_decode, rebuild_warning, source_cost
 from .fitting_text import TextData, TextSettings, held_out_dataset, prepare_text, recovery_settings
@@ -255,7 +256,8 @@ def run_conversion(job: ConversionJob) -> ConversionReport:
     report = ConversionReport(
         source=public_name(job.source),
         options=asdict(plan.options),
-        budget={**asdict(plan.budget), "kv_lora_rank": student.config.kv_lora_rank},
+        budget={**asdict(plan.budget), "kv_lora_rank": student.config.kv_lora_rank,
+                **families.windowed_layers(student.config)},  # fmt: skip
         reconstruction={**asdict(job.reconstruction), "gate": passed.gate_rows, "layers": fitting.layers},
         placement={"device": str(source.device), "dtype": job.placement.dtype},
         candidates=plan.candidates, text=text.description, scores=scores, stages=fitting.stages.rows,

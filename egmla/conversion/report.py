@@ -96,8 +96,17 @@ def kv_row(report: ConversionReport) -> tuple[str, str]:
     )
 
 
+def windowed_row(budget: dict) -> list[tuple[str, str]]:
+    """Where the source has windowed layers (Gemma 3's): that they were converted, and what their cache keeps."""
+    windowed = budget.get("windowed_layers")
+    if not windowed:
+        return []
+    return [("windowed layers", f"{len(windowed['layers'])} of {windowed['of']}, converted like the others; their "
+                                f"cache keeps the last {windowed['window']} positions")]  # fmt: skip
+
+
 def report_rows(report: ConversionReport) -> list[tuple[str, str]]:
-    rows = [("source", report.source), kv_row(report)]
+    rows = [("source", report.source), kv_row(report), *windowed_row(report.budget)]
     gate = report.reconstruction.get("gate")
     if gate:
         fitted = [row for row in gate if row["fitted"]]

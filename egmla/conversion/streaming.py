@@ -128,7 +128,8 @@ def streamed_report(job, passed: LayerPass, student_config) -> ConversionReport:
     return ConversionReport(
         source=public_name(job.source),
         options=dataclasses.asdict(plan.options),
-        budget={**dataclasses.asdict(plan.budget), "kv_lora_rank": student_config.kv_lora_rank},
+        budget={**dataclasses.asdict(plan.budget), "kv_lora_rank": student_config.kv_lora_rank,
+                **families.windowed_layers(student_config)},  # fmt: skip
         reconstruction={**dataclasses.asdict(job.reconstruction), "gate": passed.gate_rows, "layers": passed.rows},
         placement={"device": str(job.placement.torch_device()), "dtype": job.placement.dtype},
         candidates=plan.candidates,
