@@ -17,6 +17,7 @@ SERVED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # fields (recomputed in `__post_init__`). Any other key that is no field is refused by name.
 NOT_FIELDS = ("auto_map", "_name_or_path", "tokenizer_class", "head_dim", "qk_head_dim")
 EGMLA_LAYER_TYPE = "egmla_latent_attention"
+EGMLA_SLIDING_LAYER_TYPE = "egmla_sliding_latent_attention"  # a windowed layer's (its transformers cache keeps the window)
 
 
 @strict
@@ -82,12 +83,14 @@ class EGMLAConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     def validate_layer_type(self):
-        """egmla's cache layer type is not one of transformers' built-in ones (as in egmla's config)."""
-        if self.layer_types is not None and self.layer_types != [EGMLA_LAYER_TYPE] * self.num_hidden_layers:
-            raise ValueError(
-                f"`layer_types` must be {EGMLA_LAYER_TYPE!r} for each of the {self.num_hidden_layers} layers "
-                f"(`num_hidden_layers`), got {self.layer_types}."
-            )
+        """egmla's cache layer types are not transformers' built-in ones (as in egmla's config): each layer's follows
+        from its window."""
+        expected = [
+            EGMLA_SLIDING_LAYER_TYPE if self.layer_window(i) is not None else EGMLA_LAYER_TYPE
+            for i in range(self.num_hidden_layers)
+        ]
+        if self.layer_types is not None and self.layer_types != expected:
+            raise ValueError(f"`layer_types` must be {expected} (one per layer), got {self.layer_types}.")
 
     @property
     def gate_enabled(self) -> bool:
