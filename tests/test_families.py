@@ -177,7 +177,8 @@ def test_egmla_convert_of_a_gemma3_folder_keeps_its_layers_and_windows(tmp_path)
     out = tmp_path / "out"
     main(["convert", str(folder), "--out", str(out), "--kv-cut", "0.5", "--reconstruction-steps", "5", "--steps", "0",
           "--gate-embedding-dim", "8", "--gate-position", "kv", "--calibration-blocks", "4", "--block-size", "32",
-          "--eval-documents", "2"])  # fmt: skip
+          "--eval-documents", "2", "--license", "gemma"])  # fmt: skip
+    assert "subject to the Gemma Terms of Use" in (out / "README.md").read_text()  # the notice its terms ask for
     converted = AutoModelForCausalLM.from_pretrained(out).eval()
     config = converted.config
     assert config.sandwich_norms and config.qk_norm and config.embedding_multiplier == 64**0.5

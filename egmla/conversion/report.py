@@ -302,6 +302,17 @@ def measurement_words(report: ConversionReport) -> str:
     )
 
 
+# Licences whose terms ask every copy to carry a notice, by Hub licence id.
+LICENCE_NOTICES = {
+    "gemma": "Gemma is provided under and subject to the Gemma Terms of Use found at "
+    "[ai.google.dev/gemma/terms](https://ai.google.dev/gemma/terms); this model, a modification of it, is too.",
+}
+
+
+def licence_notice(licence: str | None) -> str:
+    return f"\n{LICENCE_NOTICES[licence]}\n" if licence in LICENCE_NOTICES else ""
+
+
 def write_model_card(folder: Path, report: ConversionReport) -> None:
     """README.md (a Hub model card made by huggingface_hub, its metadata from `report.card`) and
     conversion_report.json in the output folder."""
@@ -329,7 +340,7 @@ rotary key dims per token.
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained("<this folder or repo>", trust_remote_code=True)
 ```
-
+{licence_notice(card.get("license"))}
 ## Measurements
 
 | what | value |
