@@ -31,12 +31,16 @@ def norm_eps(norm: torch.nn.Module) -> float:
     return norm.eps if isinstance(norm, Gemma3RMSNorm) else norm.variance_epsilon
 
 
+def embedding_multiplier(config) -> float:
+    """What the source multiplies its token embeddings by: Gemma 3's sqrt(D), 1 for the others."""
+    return config.hidden_size**0.5 if is_gemma3(config) else 1.0
+
+
 def scaled_embeddings(config, weight: torch.Tensor) -> torch.Tensor:
-    """The token embeddings [V, D] as the source's layers receive them: Gemma 3 multiplies them by sqrt(D), in their
-    dtype."""
+    """The token embeddings [V, D] as the source's layers receive them (multiplied in their dtype, as Gemma 3's)."""
     if not is_gemma3(config):
         return weight
-    return weight * torch.tensor(config.hidden_size**0.5, dtype=weight.dtype)
+    return weight * torch.tensor(embedding_multiplier(config), dtype=weight.dtype)
 
 
 def layer_type(config, layer_idx: int) -> str | None:
@@ -144,7 +148,7 @@ def student_fields(config) -> dict:
     """The student config's fields that carry a Gemma 3 source's layers; none for the other families."""
     if not is_gemma3(config):
         return {}
-    fields = {"sandwich_norms": True, "embedding_multiplier": config.hidden_size**0.5}
+    fields = {"sandwich_norms": True, "embedding_multiplier": embedding_multiplier(config)}
     windowed = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
     if windowed:
         fields |= {"sliding_window": config.sliding_window, "sliding_window_layers": windowed,
