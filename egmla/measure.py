@@ -73,6 +73,7 @@ def filled_cache(model: torch.nn.Module, cache_kind: str, batch_size: int, conte
         cache = StaticCache(config=model.config, max_cache_len=context + 8)
     else:
         cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()  # windowed layers keep what `DecodeState.step`'s crop rolls back to
     per_token = getattr(cache.layers[0], "append_per_token", None)
     if per_token is not None and probe.layers[0].token_ids is not None:
         ids = torch.randint(0, model.config.vocab_size, (batch_size, context), generator=generator, device=device)
@@ -84,16 +85,22 @@ def filled_cache(model: torch.nn.Module, cache_kind: str, batch_size: int, conte
             torch.randn(*part.shape[:2], context, part.shape[-1], generator=generator, device=device, dtype=part.dtype)
             for part in (layer.keys, layer.values)
         )
-        window = getattr(layer, "sliding_window", None)  # a windowed layer keeps its window of them
+        window = getattr(layer, "sliding_window", None)
         cache.update(keys, values, layer_idx, **({"sliding_window": window} if window else {}))
+    cache.crop(0)  # a windowed layer keeps its window of them
+    if not all(getattr(layer, "is_croppable", True) for layer in cache.layers):
+        raise ValueError(
+            f"{type(model).__name__}'s static cache drops positions past its windows, so a timed step cannot be undone: "
+            "time it with a dynamic cache."
+        )
     return cache
 
 
 @dataclass
 class DecodeState:
     """A model, its filled cache and the forward to time; `step()` decodes one token at the context's end and crops
-    the cache back, so every timed step sees the same context (a cache with windowed layers, which cannot be
-    cropped, grows by the few timed tokens)."""
+    the cache back, so every timed step sees the same context. The cache records its past
+    (`activate_past_recording`, before it is filled), so that `crop` rolls windowed layers back too."""
 
     forward: object
     cache: object
@@ -102,10 +109,7 @@ class DecodeState:
 
     def step(self) -> None:
         self.forward(self.token, cache=self.cache, position_ids=self.position, use_cache=True)
-        if any(self.cache.is_sliding):  # a windowed layer's cache cannot be cropped: the context grows a token a step
-            self.position = self.position + 1
-        else:
-            self.cache.crop(-1)
+        self.cache.crop(-1)
 
 
 def decode_state(model: torch.nn.Module, cache_kind: str, batch_size: int, context: int) -> DecodeState:

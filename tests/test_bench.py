@@ -3,6 +3,7 @@
 import json
 
 import torch
+from transformers import DynamicCache
 
 from egmla.bench.decode import VARIANTS
 from egmla.cli import main
@@ -83,9 +84,34 @@ def test_bench_converted_times_a_conversion_against_its_source(tmp_path, capsys)
     assert "ratio to the source's default path" in capsys.readouterr().out
 
 
+def test_a_timed_step_leaves_windowed_caches_as_they_were():
+    """`DecodeState.step` decodes a token and crops it back. With the past recorded (`prefilled`), that holds for
+    windowed layers past their window too, egmla's and transformers': the next step sees the same context."""
+    from egmla.bench.converted import prefilled
+    from egmla.measure import DecodeState, decode_state
+
+    for model in (tiny_model(**MODES["gemma"]).eval(), tiny_source("gemma3", sliding_window=6).eval()):
+        rows = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+        position = torch.full((2, 1), 19)
+        cache = prefilled(model, rows[:, :-1])
+        state = DecodeState(model.forward, cache, rows[:, -1:], position)
+        with torch.no_grad():
+            state.step()
+            state.step()
+            got = model(rows[:, -1:], cache=cache, position_ids=position).logits
+            expected = model(rows, cache=DynamicCache(config=model.config)).logits[:, -1:]
+        assert cache.get_seq_length() == 20 and any(cache.is_sliding)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=type(model).__name__)
+        filled = decode_state(model, "dynamic", 2, 20)  # random contents, as the report's decode measurement
+        with torch.no_grad():
+            filled.step()
+            filled.step()
+        assert filled.cache.get_seq_length() == 20 and (filled.position == 20).all()
+
+
 def test_bench_converted_times_a_windowed_gemma3_conversion_on_its_default_path(tmp_path):
-    """A Gemma 3 source and its conversion, both with windowed layers (contexts past the window): each cell is
-    prefilled anew (a window cannot be cropped back) and timed on the default path; the budget counts the windows."""
+    """A Gemma 3 source and its conversion, both with windowed layers (contexts past the window): each cell crops
+    its recorded cache back and is timed on the default path; the budget counts the windows."""
     from egmla.conversion import ConversionOptions, convert_llama_to_egmla
 
     teacher = tiny_source("gemma3", vocab_size=TOKENIZER_SIZE["gemma3"])

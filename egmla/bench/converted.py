@@ -57,10 +57,15 @@ def text_rows(bench: ConvertedBench, batch_size: int, context: int) -> torch.Ten
 
 
 @torch.no_grad()
-def prefilled(model: torch.nn.Module, rows: torch.Tensor) -> DynamicCache:
-    """The model's own dynamic cache after a prefill of `rows` [B, T] (logits of the last position only)."""
-    cache = DynamicCache(config=model.config)
+def prefilled(model: torch.nn.Module, rows: torch.Tensor, cache: DynamicCache | None = None) -> DynamicCache:
+    """The model's own dynamic cache after a prefill of `rows` [B, T] (logits of the last position only), continuing
+    `cache` where one is given. It records its past, so that a timed step's `crop(-1)` rolls back windowed layers as
+    full ones."""
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+        cache.activate_past_recording()
     model(rows, cache=cache, use_cache=True, logits_to_keep=1)
+    cache.crop(0)  # windowed layers back to their window
     return cache
 
 
@@ -92,28 +97,26 @@ def states_for_cell(models: dict, caches: dict, bench: ConvertedBench, next_toke
 
 
 def cells_by_batch(bench: ConvertedBench, max_context: int) -> dict[int, list[int]]:
-    """Contexts per batch, longest first (one prefill per batch, cropped down), capped at the source's."""
+    """Contexts per batch, shortest first (one prefill per batch, continued), capped at the source's."""
     contexts: dict[int, set[int]] = {}
     for batch_size, context in bench.cells:
         contexts.setdefault(batch_size, set()).add(min(context, max_context))
-    return {batch_size: sorted(values, reverse=True) for batch_size, values in contexts.items()}
+    return {batch_size: sorted(values) for batch_size, values in contexts.items()}
 
 
 def measure_cells(models: dict, bench: ConvertedBench) -> tuple[list[dict], dict]:
-    """ms/step of every model (default and compiled static) in every cell; and the caches of the largest batch at
-    the shortest of its contexts, for the budget."""
-    grid, budget_caches = [], {}
+    """ms/step of every model (default and compiled static) in every cell; and the text of the largest batch at the
+    shortest of its contexts, for the budget."""
+    grid, budget = [], {}
     budget_batch = max(batch_size for batch_size, _ in bench.cells)
     max_context = models["source"].config.max_position_embeddings - 8
     for batch_size, contexts in cells_by_batch(bench, max_context).items():
-        rows = text_rows(bench, batch_size, contexts[0])
-        caches = {name: prefilled(model, rows[:, :-1]) for name, model in tqdm(models.items(), desc="prefilling")}
+        rows = text_rows(bench, batch_size, contexts[-1])
+        caches = {name: prefilled(model, rows[:, : contexts[0]]) for name, model in tqdm(models.items(), desc="prefilling")}
         for context in contexts:
-            for name, cache in caches.items():
-                if cache.get_seq_length() > context and any(cache.is_sliding):  # a window cannot be cropped back
-                    caches[name] = prefilled(models[name], rows[:, :context])
-                elif cache.get_seq_length() > context:
-                    cache.crop(context - cache.get_seq_length())  # transformers 5 crops by a negative count
+            for name, cache in caches.items():  # the text continued up to this cell's context
+                if cache.get_seq_length() < context:
+                    prefilled(models[name], rows[:, cache.get_seq_length() : context], cache)
             torch._dynamo.reset()  # each cell compiles its own static shapes
             states = states_for_cell(models, caches, bench, rows[:, context : context + 1])
             ms = median_ms(states, bench.repetitions, bench.steps)
@@ -121,37 +124,37 @@ def measure_cells(models: dict, bench: ConvertedBench) -> tuple[list[dict], dict
             grid.append({"batch": batch_size, "context": context, "ms_per_step": ms})
             print(f"batch {batch_size}, context {context}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()))
         if batch_size == budget_batch:
-            next_tokens = rows[:, contexts[-1] : contexts[-1] + 1]
-            budget_caches = {"batch": batch_size, "context": contexts[-1], "caches": caches, "next": next_tokens}
-    return grid, budget_caches
+            budget = {"batch": batch_size, "context": contexts[0], "rows": rows[:, : contexts[0] + 1]}
+    return grid, budget
 
 
 def measure_budget(models: dict, budget: dict, bench: ConvertedBench) -> dict:
     """The source's cache at (batch, context) as the budget: each model decodes as many sequences as fit in it (the
     prefilled rows repeated), on its default path; tokens/s."""
-    caches, batch_size, context = budget["caches"], budget["batch"], budget["context"]
+    batch_size, context, rows = budget["batch"], budget["context"], budget["rows"]
+    caches = {name: prefilled(model, rows[:, :-1]) for name, model in models.items()}
     per_token = {name: cache_nbytes(cache) / (batch_size * context) for name, cache in caches.items()}
     budget_bytes = per_token["source"] * batch_size * context
-    rows = {}
+    results = {}
     for name, model in models.items():
         sequences = max(1, int(budget_bytes // (per_token[name] * context)))
         cache = caches[name]
         repeats = -(-sequences // batch_size)
         cache.batch_repeat_interleave(repeats)
         cache.batch_select_indices(torch.arange(sequences))
-        tokens = budget["next"].repeat_interleave(repeats, dim=0)[:sequences]
+        tokens = rows[:, -1:].repeat_interleave(repeats, dim=0)[:sequences]
         state = DecodeState(model.forward, cache, tokens, torch.full_like(tokens, context))
         ms = median_ms({name: state}, bench.repetitions, bench.steps)[name]
-        rows[name] = {"cache_bytes_per_token": per_token[name], "sequences": sequences, "ms_per_step": ms,
-                      "tokens_per_s": sequences * 1000 / ms}  # fmt: skip
-    return {"batch": batch_size, "context": context, "budget_bytes": budget_bytes, "models": rows}
+        results[name] = {"cache_bytes_per_token": per_token[name], "sequences": sequences, "ms_per_step": ms,
+                         "tokens_per_s": sequences * 1000 / ms}  # fmt: skip
+    return {"batch": batch_size, "context": context, "budget_bytes": budget_bytes, "models": results}
 
 
 @torch.no_grad()
 def run_converted(bench: ConvertedBench) -> dict:
     models = load_models(bench)
     grid, budget = measure_cells(models, bench)
-    grid.sort(key=lambda row: (row["batch"], row["context"]))  # measured longest first per batch, shown in order
+    grid.sort(key=lambda row: (row["batch"], row["context"]))  # shown in order
     result = {"source": bench.source, "converted": bench.converted, "text": str(bench.text), "grid": grid,
               "threads": torch.get_num_threads(), "repetitions": bench.repetitions, "steps": bench.steps,
               "dtype": bench.dtype}  # fmt: skip
