@@ -1167,9 +1167,10 @@ def absorbed_attention(
         out_latent, probs = latent_sdpa(q_latent, step.q_rope, rows, attention_mask, layout.scaling), None
     else:
         keys = (step.latent, step.rope_key, step.key_scale)
-        out_latent, probs = latent_attention(layout, q_latent, step.q_rope, keys, attention_mask)
+        out_latent, probs = latent_attention(layout, q_latent, step.q_rope, keys, attention_mask, rows)
     out_latent = out_latent.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
-    output = torch.bmm(out_latent, step.uv_weight)  # [H, B*S, dv]
+    # W^{UV} [H, dv, r] as it lies times the latents' columns: a bfloat16 product copies a transposed operand.
+    output = torch.bmm(step.uv_weight.mT, out_latent.mT).mT  # [H, B*S, dv]
     return output.view(heads, batch_size, query_length, -1).permute(1, 2, 0, 3), probs
 
 
@@ -1179,27 +1180,34 @@ def latent_attention(
     q_rope: torch.Tensor,
     keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     attention_mask: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax of (q_latent . latent + q_rope . rope key) x key scale over the cache (`keys`: the latent
-    [B, 1, T, r], the rope key [B, 1, T, Hr*dr], the key-norm scales [B, 1, T, Hn] or None): q_latent [B, H, S, r]
+    [B, 1, T, r], the rope key [B, 1, T, Hr*dr], the key-norm scales [B, 1, T, Hn] or None; `rows`: the cached
+    rows [latent ; rope key ; ...] [B, 1, T, .] where the cache keeps them side by side): q_latent [B, H, S, r]
     -> the weighted sum of latents [B, H, S, r] and the weights [B, H, S, T] (no dropout: a layer decodes in eval
     mode only)."""
     latent, rope_key, key_scale = keys
     batch_size, heads, query_length, rank = q_latent.shape
     key_length = latent.shape[2]
     latent = latent[:, 0]  # [B, T, r], shared by every head
-    # The scale goes on the queries ([B, H, S, .]), not on the scores ([B, H, S, T]).
-    rope_scores = rope_key_scores(layout, q_rope * layout.scaling, rope_key)  # [B, H, S, T]
-    q_latent = (q_latent * layout.scaling).reshape(batch_size, heads * query_length, rank)
-    # The query heads fold into the rows of one batched product (no head copies the latent), the rope scores
-    # added inside it.
-    scores = torch.baddbmm(rope_scores.view(batch_size, heads * query_length, key_length), q_latent, latent.mT)
-    scores = scores.view(batch_size, heads, query_length, key_length)
+    # The query heads fold into the columns of one product with the keys as they lie in the cache ([B, T, .]), so
+    # that no head copies the latent (a bfloat16 product would copy a transposed one); the scale on the queries.
+    if rows is not None:  # one product over [latent ; rope key]
+        query = torch.cat([q_latent, q_rope], dim=-1) * layout.scaling
+        keys_width = query.shape[-1]
+        scores = torch.bmm(rows[:, 0, :, :keys_width], query.reshape(batch_size, heads * query_length, -1).mT)
+    else:
+        query = (q_latent * layout.scaling).reshape(batch_size, heads * query_length, rank)
+        scores = torch.bmm(latent, query.mT)
+    scores = scores.mT.view(batch_size, heads, query_length, key_length)  # [B, H, S, T]
+    if rows is None:
+        scores = scores + rope_key_scores(layout, q_rope * layout.scaling, rope_key)
     if key_scale is not None:
         scores = scores * key_scale_per_head(key_scale, heads).unsqueeze(2).to(scores.dtype)
     scores = mask_scores(scores, attention_mask)
     probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
-    out_latent = torch.bmm(probs.view(batch_size, heads * query_length, key_length), latent)  # [B, H*S, r]
+    out_latent = torch.bmm(probs.reshape(batch_size, heads * query_length, key_length), latent)  # [B, H*S, r]
     return out_latent.view(batch_size, heads, query_length, rank), probs
 
 
@@ -1211,7 +1219,7 @@ def rope_key_scores(layout: EGMLALayout, q_rope: torch.Tensor, rope_key: torch.T
     key_length, group = rope_key.shape[2], heads // rope_heads
     if rope_heads == 1:  # one rope key for all heads: the cache is read where it lies, not copied
         q_rope = q_rope.reshape(batch_size, heads * query_length, rope_dim)
-        return torch.bmm(q_rope, rope_key[:, 0].mT).view(batch_size, heads, query_length, key_length)
+        return torch.bmm(rope_key[:, 0], q_rope.mT).mT.view(batch_size, heads, query_length, key_length)
     q_rope = q_rope.reshape(batch_size * rope_heads, group * query_length, rope_dim)
     k_rope = rope_key[:, 0].view(batch_size, key_length, rope_heads, rope_dim)
     k_rope = k_rope.permute(0, 2, 3, 1).reshape(batch_size * rope_heads, rope_dim, -1)
