@@ -1191,18 +1191,18 @@ def latent_attention(
     batch_size, heads, query_length, rank = q_latent.shape
     key_length = latent.shape[2]
     latent = latent[:, 0]  # [B, T, r], shared by every head
-    # The query heads fold into the columns of one product with the keys as they lie in the cache ([B, T, .]), so
-    # that no head copies the latent (a bfloat16 product would copy a transposed one); the scale on the queries.
-    if rows is not None:  # one product over [latent ; rope key]
+    # The query heads fold into the rows (or columns) of one product, so no head copies the latent; the scale goes
+    # on the queries ([B, H, S, .]), not on the scores ([B, H, S, T]).
+    if rows is not None:  # [latent ; rope key] side by side: one product over the rows as they lie (bfloat16 on
+        # the CPU copies a transposed operand that is a slice of wider rows: the whole cache, every step)
         query = torch.cat([q_latent, q_rope], dim=-1) * layout.scaling
-        keys_width = query.shape[-1]
-        scores = torch.bmm(rows[:, 0, :, :keys_width], query.reshape(batch_size, heads * query_length, -1).mT)
-    else:
+        query = query.reshape(batch_size, heads * query_length, -1)
+        scores = torch.bmm(rows[:, 0, :, : query.shape[-1]], query.mT).mT  # [B, H*S, T]
+    else:  # the rope scores added inside the product
+        rope_scores = rope_key_scores(layout, q_rope * layout.scaling, rope_key)  # [B, H, S, T]
         query = (q_latent * layout.scaling).reshape(batch_size, heads * query_length, rank)
-        scores = torch.bmm(latent, query.mT)
-    scores = scores.mT.view(batch_size, heads, query_length, key_length)  # [B, H, S, T]
-    if rows is None:
-        scores = scores + rope_key_scores(layout, q_rope * layout.scaling, rope_key)
+        scores = torch.baddbmm(rope_scores.view(batch_size, heads * query_length, key_length), query, latent.mT)
+    scores = scores.view(batch_size, heads, query_length, key_length)
     if key_scale is not None:
         scores = scores * key_scale_per_head(key_scale, heads).unsqueeze(2).to(scores.dtype)
     scores = mask_scores(scores, attention_mask)
@@ -1219,7 +1219,7 @@ def rope_key_scores(layout: EGMLALayout, q_rope: torch.Tensor, rope_key: torch.T
     key_length, group = rope_key.shape[2], heads // rope_heads
     if rope_heads == 1:  # one rope key for all heads: the cache is read where it lies, not copied
         q_rope = q_rope.reshape(batch_size, heads * query_length, rope_dim)
-        return torch.bmm(rope_key[:, 0], q_rope.mT).mT.view(batch_size, heads, query_length, key_length)
+        return torch.bmm(q_rope, rope_key[:, 0].mT).view(batch_size, heads, query_length, key_length)
     q_rope = q_rope.reshape(batch_size * rope_heads, group * query_length, rope_dim)
     k_rope = rope_key[:, 0].view(batch_size, key_length, rope_heads, rope_dim)
     k_rope = k_rope.permute(0, 2, 3, 1).reshape(batch_size * rope_heads, rope_dim, -1)
