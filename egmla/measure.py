@@ -63,8 +63,9 @@ def parameter_bytes_by_device(model: torch.nn.Module) -> dict[str, int]:
 
 @torch.no_grad()
 def filled_cache(model: torch.nn.Module, cache_kind: str, batch_size: int, context: int, seed: int):
-    """A cache holding `context` random positions per layer, shaped as the model's own (learned from a 2-token
-    forward), with random token ids where the model keeps them."""
+    """A cache holding `context` random positions per layer (a windowed layer the last `window - 1` of them), shaped
+    as the model's own (learned from a 2-token forward), with random token ids where the model keeps them. It
+    records its past, so that `DecodeState.step`'s `crop(-1)` rolls every layer back."""
     device = model.device  # drawn where the cache lives: an accelerator's caches can exceed the host's memory
     generator = torch.Generator(device=device).manual_seed(seed)
     ids = torch.randint(0, min(100, model.config.vocab_size), (batch_size, 2), generator=generator, device=device)
@@ -73,7 +74,12 @@ def filled_cache(model: torch.nn.Module, cache_kind: str, batch_size: int, conte
         cache = StaticCache(config=model.config, max_cache_len=context + 8)
     else:
         cache = DynamicCache(config=model.config)
-    cache.activate_past_recording()  # windowed layers keep what `DecodeState.step`'s crop rolls back to
+    if not all(getattr(layer, "is_croppable", True) for layer in cache.layers):
+        raise ValueError(
+            f"{type(model).__name__}'s {cache_kind} cache drops positions past its windows, so a timed step cannot be "
+            "undone: time it with a dynamic cache."
+        )
+    cache.activate_past_recording()
     per_token = getattr(cache.layers[0], "append_per_token", None)
     if per_token is not None and probe.layers[0].token_ids is not None:
         ids = torch.randint(0, model.config.vocab_size, (batch_size, context), generator=generator, device=device)
@@ -87,12 +93,8 @@ def filled_cache(model: torch.nn.Module, cache_kind: str, batch_size: int, conte
         )
         window = getattr(layer, "sliding_window", None)
         cache.update(keys, values, layer_idx, **({"sliding_window": window} if window else {}))
-    cache.crop(0)  # a windowed layer keeps its window of them
-    if not all(getattr(layer, "is_croppable", True) for layer in cache.layers):
-        raise ValueError(
-            f"{type(model).__name__}'s static cache drops positions past its windows, so a timed step cannot be undone: "
-            "time it with a dynamic cache."
-        )
+        if window:  # back to its window at once, not after every layer has held the whole context
+            cache.layers[layer_idx].crop(0)
     return cache
 
 

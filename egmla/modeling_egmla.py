@@ -1151,9 +1151,9 @@ def decode_attention(
 def absorbed_attention(
     step: EGMLAStep, attention_mask: torch.Tensor | None, need_weights: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """MQA over the cached latent (W^{UK} folded into the query, W^{UV} applied after the weighted sum): by SDPA
-    over the cached rows `[latent ; rope key]` where the cache keeps them side by side and one rope key serves
-    every head, else (or for the attention weights) by batched products.
+    """MQA over the cached latent (W^{UK} folded into the query, W^{UV} applied after the weighted sum): where the
+    cache keeps the rows `[latent ; rope key]` side by side and one rope key serves every head, by SDPA over them,
+    or with key-norm scales by one product over them; else (or for the attention weights) by batched products.
 
     Returns the output [B, S, H, dv] and the attention weights [B, H, S, T] (None from SDPA).
     """
@@ -1161,9 +1161,8 @@ def absorbed_attention(
     batch_size, heads, query_length, _ = step.q_nope.shape
     q_nope = step.q_nope.transpose(0, 1).reshape(heads, batch_size * query_length, -1)
     q_latent = torch.bmm(q_nope, step.uk_weight).view(heads, batch_size, query_length, -1).transpose(0, 1)
-    # One SDPA call over the cached rows where no key-norm scale multiplies the scores.
     rows = step.cached_rows if step.rope_key.shape[-1] and not need_weights and layout.rope_key_heads == 1 else None
-    if rows is not None and step.key_scale is None:
+    if rows is not None and step.key_scale is None:  # one SDPA call: no key-norm scale multiplies the scores
         out_latent, probs = latent_sdpa(q_latent, step.q_rope, rows, attention_mask, layout.scaling), None
     else:
         keys = (step.latent, step.rope_key, step.key_scale)
@@ -1184,17 +1183,16 @@ def latent_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax of (q_latent . latent + q_rope . rope key) x key scale over the cache (`keys`: the latent
     [B, 1, T, r], the rope key [B, 1, T, Hr*dr], the key-norm scales [B, 1, T, Hn] or None; `rows`: the cached
-    rows [latent ; rope key ; ...] [B, 1, T, .] where the cache keeps them side by side): q_latent [B, H, S, r]
-    -> the weighted sum of latents [B, H, S, r] and the weights [B, H, S, T] (no dropout: a layer decodes in eval
-    mode only)."""
+    rows [latent ; rope key ; ...] [B, 1, T, .] where the cache keeps them side by side and one rope key serves every
+    head): q_latent [B, H, S, r] -> the weighted sum of latents [B, H, S, r] and the weights [B, H, S, T] (no
+    dropout: a layer decodes in eval mode only)."""
     latent, rope_key, key_scale = keys
     batch_size, heads, query_length, rank = q_latent.shape
     key_length = latent.shape[2]
     latent = latent[:, 0]  # [B, T, r], shared by every head
     # The query heads fold into the rows (or columns) of one product, so no head copies the latent; the scale goes
     # on the queries ([B, H, S, .]), not on the scores ([B, H, S, T]).
-    if rows is not None:  # [latent ; rope key] side by side: one product over the rows as they lie (bfloat16 on
-        # the CPU copies a transposed operand that is a slice of wider rows: the whole cache, every step)
+    if rows is not None:  # as they lie: a bf16 product on the CPU copies a transposed slice of wider rows, each step
         query = torch.cat([q_latent, q_rope], dim=-1) * layout.scaling
         query = query.reshape(batch_size, heads * query_length, -1)
         scores = torch.bmm(rows[:, 0, :, : query.shape[-1]], query.mT).mT  # [B, H*S, T]

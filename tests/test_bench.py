@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -86,32 +87,51 @@ def test_bench_converted_times_a_conversion_against_its_source(tmp_path, capsys)
 
 def test_a_timed_step_leaves_windowed_caches_as_they_were():
     """`DecodeState.step` decodes a token and crops it back. With the past recorded (`prefilled`), that holds for
-    windowed layers past their window too, egmla's and transformers': the next step sees the same context."""
+    windowed layers below, at and past their window, egmla's and transformers': every layer holds what it held, and
+    the next step's logits are an uncached forward's. The cache is a prefill continued across the window, as
+    `bench converted` continues its cells."""
     from egmla.bench.converted import prefilled
-    from egmla.measure import DecodeState, decode_state
+    from egmla.measure import DecodeState
 
     for model in (tiny_model(**MODES["gemma"]).eval(), tiny_source("gemma3", sliding_window=6).eval()):
+        window = model.config.sliding_window
         rows = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
-        position = torch.full((2, 1), 19)
-        cache = prefilled(model, rows[:, :-1])
-        state = DecodeState(model.forward, cache, rows[:, -1:], position)
-        with torch.no_grad():
-            state.step()
-            state.step()
-            got = model(rows[:, -1:], cache=cache, position_ids=position).logits
-            expected = model(rows, cache=DynamicCache(config=model.config)).logits[:, -1:]
-        assert cache.get_seq_length() == 20 and any(cache.is_sliding)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=type(model).__name__)
-        filled = decode_state(model, "dynamic", 2, 20)  # random contents, as the report's decode measurement
+        for context in (window - 2, window - 1, 19):
+            cache = prefilled(model, rows[:, :2])
+            prefilled(model, rows[:, 2:context], cache)
+            held = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+            position = torch.full((2, 1), context)
+            state = DecodeState(model.forward, cache, rows[:, context : context + 1], position)
+            with torch.no_grad():
+                state.step()
+                state.step()
+                assert all(torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+                           for layer, (keys, values) in zip(cache.layers, held, strict=True))  # fmt: skip
+                got = model(rows[:, context : context + 1], cache=cache, position_ids=position).logits
+                expected = model(rows[:, : context + 1], cache=DynamicCache(config=model.config)).logits[:, -1:]
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{type(model).__name__} {context}")
+
+
+def test_timing_a_random_cache_holds_its_context_and_refuses_a_window_it_cannot_roll_back():
+    """The report's decode cell fills caches with random contents (`decode_state`): a windowed layer's steps are rolled
+    back like the rest; a transformers static cache drops positions past its windows, so timing it is refused."""
+    from egmla.measure import decode_state
+
+    for model in (tiny_model(**MODES["gemma"]).eval(), tiny_source("gemma3", sliding_window=6).eval()):
+        filled = decode_state(model, "dynamic", 2, 20)
+        held = [layer.keys.clone() for layer in filled.cache.layers]
         with torch.no_grad():
             filled.step()
             filled.step()
-        assert filled.cache.get_seq_length() == 20 and (filled.position == 20).all()
+        assert filled.cache.get_seq_length() == 20
+        assert all(torch.equal(layer.keys, keys) for layer, keys in zip(filled.cache.layers, held, strict=True))
+    with pytest.raises(ValueError, match="drops positions past its windows"):
+        decode_state(tiny_source("gemma3", sliding_window=6).eval(), "static", 2, 20)
 
 
 def test_bench_converted_times_a_windowed_gemma3_conversion_on_its_default_path(tmp_path):
-    """A Gemma 3 source and its conversion, both with windowed layers (contexts past the window): each cell crops
-    its recorded cache back and is timed on the default path; the budget counts the windows."""
+    """A Gemma 3 source and its conversion, both with windowed layers (contexts past the window): each cell continues
+    the last one's cache, each timed step is cropped back, on the default path; the budget counts the windows."""
     from egmla.conversion import ConversionOptions, convert_llama_to_egmla
 
     teacher = tiny_source("gemma3", vocab_size=TOKENIZER_SIZE["gemma3"])

@@ -25,6 +25,8 @@ from ..text import read_documents, token_blocks
 from .decode import ratio_grid
 
 CELLS = ((1, 512), (1, 2048), (8, 2048), (8, 4096))
+# Tokens per forward where a prefill continues a cache: their scores over the whole cache [B, H, chunk, T] stay small.
+PREFILL_CHUNK = 512
 
 
 @dataclass
@@ -59,13 +61,15 @@ def text_rows(bench: ConvertedBench, batch_size: int, context: int) -> torch.Ten
 @torch.no_grad()
 def prefilled(model: torch.nn.Module, rows: torch.Tensor, cache: DynamicCache | None = None) -> DynamicCache:
     """The model's own dynamic cache after a prefill of `rows` [B, T] (logits of the last position only), continuing
-    `cache` where one is given. It records its past, so that a timed step's `crop(-1)` rolls back windowed layers as
-    full ones."""
+    `cache` where one is given, PREFILL_CHUNK tokens at a time. It records its past, so that a timed step's
+    `crop(-1)` rolls back windowed layers as full ones."""
     if cache is None:
         cache = DynamicCache(config=model.config)
-        cache.activate_past_recording()
-    model(rows, cache=cache, use_cache=True, logits_to_keep=1)
-    cache.crop(0)  # windowed layers back to their window
+    cache.activate_past_recording()
+    chunk = rows.shape[1] if cache.get_seq_length() == 0 else PREFILL_CHUNK  # a prompt attends expanded, at once
+    for start in range(0, rows.shape[1], chunk):
+        model(rows[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
+        cache.crop(0)  # windowed layers back to their window
     return cache
 
 
@@ -112,7 +116,7 @@ def measure_cells(models: dict, bench: ConvertedBench) -> tuple[list[dict], dict
     max_context = models["source"].config.max_position_embeddings - 8
     for batch_size, contexts in cells_by_batch(bench, max_context).items():
         rows = text_rows(bench, batch_size, contexts[-1])
-        caches = {name: prefilled(model, rows[:, : contexts[0]]) for name, model in tqdm(models.items(), desc="prefilling")}
+        caches = {name: prefilled(model, rows[:, : contexts[0]]) for name, model in tqdm(models.items(), desc="prefill")}
         for context in contexts:
             for name, cache in caches.items():  # the text continued up to this cell's context
                 if cache.get_seq_length() < context:
@@ -132,13 +136,13 @@ def measure_budget(models: dict, budget: dict, bench: ConvertedBench) -> dict:
     """The source's cache at (batch, context) as the budget: each model decodes as many sequences as fit in it (the
     prefilled rows repeated), on its default path; tokens/s."""
     batch_size, context, rows = budget["batch"], budget["context"], budget["rows"]
-    caches = {name: prefilled(model, rows[:, :-1]) for name, model in models.items()}
+    caches = {name: prefilled(model, rows[:, :-1]) for name, model in models.items()}  # fresh: windows at their size
     per_token = {name: cache_nbytes(cache) / (batch_size * context) for name, cache in caches.items()}
     budget_bytes = per_token["source"] * batch_size * context
     results = {}
     for name, model in models.items():
         sequences = max(1, int(budget_bytes // (per_token[name] * context)))
-        cache = caches[name]
+        cache = caches.pop(name)  # let go once timed: each grows to about the budget
         repeats = -(-sequences // batch_size)
         cache.batch_repeat_interleave(repeats)
         cache.batch_select_indices(torch.arange(sequences))
