@@ -98,7 +98,7 @@ def test_a_timed_step_leaves_windowed_caches_as_they_were():
         rows = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
         for context in (window - 2, window - 1, 19):
             cache = prefilled(model, rows[:, :2])
-            prefilled(model, rows[:, 2:context], cache)
+            prefilled(model, rows[:, :context], cache)
             held = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
             position = torch.full((2, 1), context)
             state = DecodeState(model.forward, cache, rows[:, context : context + 1], position)

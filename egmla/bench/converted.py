@@ -60,14 +60,14 @@ def text_rows(bench: ConvertedBench, batch_size: int, context: int) -> torch.Ten
 
 @torch.no_grad()
 def prefilled(model: torch.nn.Module, rows: torch.Tensor, cache: DynamicCache | None = None) -> DynamicCache:
-    """The model's own dynamic cache after a prefill of `rows` [B, T] (logits of the last position only), continuing
-    `cache` where one is given, PREFILL_CHUNK tokens at a time. It records its past, so that a timed step's
-    `crop(-1)` rolls back windowed layers as full ones."""
-    if cache is None:
-        cache = DynamicCache(config=model.config)
+    """The model's own dynamic cache after a prefill of `rows` [B, T] (logits of the last position only); where
+    `cache` already holds their first positions, the rest continues it, PREFILL_CHUNK tokens at a time. It records
+    its past, so that a timed step's `crop(-1)` rolls back windowed layers as full ones."""
+    cache = DynamicCache(config=model.config) if cache is None else cache
     cache.activate_past_recording()
-    chunk = rows.shape[1] if cache.get_seq_length() == 0 else PREFILL_CHUNK  # a prompt attends expanded, at once
-    for start in range(0, rows.shape[1], chunk):
+    done = cache.get_seq_length()
+    chunk = rows.shape[1] if done == 0 else PREFILL_CHUNK  # a prompt attends expanded, at once
+    for start in range(done, rows.shape[1], chunk):
         model(rows[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
         cache.crop(0)  # windowed layers back to their window
     return cache
@@ -116,11 +116,10 @@ def measure_cells(models: dict, bench: ConvertedBench) -> tuple[list[dict], dict
     max_context = models["source"].config.max_position_embeddings - 8
     for batch_size, contexts in cells_by_batch(bench, max_context).items():
         rows = text_rows(bench, batch_size, contexts[-1])
-        caches = {name: prefilled(model, rows[:, : contexts[0]]) for name, model in tqdm(models.items(), desc="prefill")}
+        caches = {name: DynamicCache(config=model.config) for name, model in models.items()}
         for context in contexts:
-            for name, cache in caches.items():  # the text continued up to this cell's context
-                if cache.get_seq_length() < context:
-                    prefilled(models[name], rows[:, cache.get_seq_length() : context], cache)
+            for name, model in tqdm(models.items(), desc=f"prefill to {context}"):  # the text continued
+                prefilled(model, rows[:, :context], caches[name])
             torch._dynamo.reset()  # each cell compiles its own static shapes
             states = states_for_cell(models, caches, bench, rows[:, context : context + 1])
             ms = median_ms(states, bench.repetitions, bench.steps)
