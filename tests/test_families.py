@@ -47,6 +47,39 @@ def test_a_source_of_each_family_converts_exactly_at_full_rank(family, mode):
         assert_same_model(student, teacher, input_ids)
 
 
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_block_whose_output_is_normed_is_fitted_to_the_source_block_on_the_students_own_stream(family):
+    """A normed attention output cannot grow to undo the drift of the layers before it (Gemma 3): the layer-wise fit's
+    target there is the source's block applied to the student's stream, which an exact conversion already meets
+    whatever the drift; elsewhere the target stays the source's stream after the block."""
+    import copy
+    from dataclasses import replace
+
+    from egmla.conversion.families import layer_rotary
+    from egmla.conversion.reconstruction import FittingStreams, ReconstructionSettings, fit_and_advance, student_block
+
+    teacher = tiny_source(family)
+    calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
+    student = convert_llama_to_egmla(teacher, ConversionOptions(**FULL_RANK["exact"], gate_embedding_dim=0), calibration)
+    blocks = torch.randint(3, 96, (4, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        source = teacher.model.embed_tokens(blocks)
+    drifted = source + 0.5 * source.std() * torch.randn(source.shape, generator=torch.Generator().manual_seed(2))
+    settings = ReconstructionSettings(steps=1, learning_rate=1e-9, mixed_precision="no")
+    assert settings.fits_the_block(teacher.model.layers[1]) == (family == "gemma3")
+    rows = {}
+    for target in ("stream", "block", "auto"):
+        fitting = FittingStreams(blocks, source, drifted.clone(), replace(settings, target=target))
+        source_rotary = layer_rotary(teacher.model.rotary_emb, teacher.config, 1)
+        block = student_block(copy.deepcopy(student), 1)
+        rows[target] = fit_and_advance(block, teacher.model.layers[1], fitting, source_rotary, student.model.rotary_of(1))
+    assert rows["block"]["before"] < 1e-8 and rows["stream"]["before"] > 0.1
+    expected = rows["block" if family == "gemma3" else "stream"]["before"]
+    assert rows["auto"]["before"] == pytest.approx(expected, rel=1e-4, abs=1e-8)
+    with pytest.raises(ValueError, match=r"target must be one of"):
+        ReconstructionSettings(target="source")
+
 def test_a_qwen2_source_keeps_its_biases_where_they_act():
     """The value bias passes the softmax whole (into o_proj's bias); a NoPE key bias is the same for every key of a
     query, so the softmax ignores it; the rope key's bias rotates with it (kv_a_proj's bias)."""

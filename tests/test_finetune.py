@@ -35,9 +35,10 @@ def test_distillation_loss_is_zero_only_for_equal_logits():
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
-def test_distillation_loss_and_its_gradient_equal_torchs_kl_div(temperature):
-    """The chunked loss (rows in chunks of 32, here 2 x 37 = 74 rows: a partial last chunk) against the textbook
-    formula with torch's kl_div, value and gradient."""
+def test_distillation_loss_and_its_gradient_equal_torchs_kl_div(temperature, monkeypatch):
+    """The chunked loss (here in chunks of 32 rows of 101 logits, 2 x 37 = 74 rows: a partial last chunk) against the
+    textbook formula with torch's kl_div, value and gradient."""
+    monkeypatch.setattr("egmla.training.DISTILLATION_ELEMENTS_PER_CHUNK", 32 * 101 + 50)
     generator = torch.Generator().manual_seed(0)
     student = torch.randn(2, 37, 101, generator=generator, requires_grad=True)
     teacher = torch.randn(2, 37, 101, generator=generator)

@@ -21,9 +21,10 @@ from ..modeling_egmla import EGMLAForCausalLM, look_up_gate_rows
 from ..options import check_fields, option
 from ..precision import MIXED_PRECISIONS, fitting_autocast
 from . import families
-from .calibration import source_layer_pass
+from .calibration import source_attention, source_layer_pass
 
 GATE_INITS = ("least_squares", "identity")
+FIT_TARGETS = ("auto", "stream", "block")
 
 
 @dataclass(frozen=True)
@@ -53,18 +54,30 @@ class ReconstructionSettings:
     mixed_precision: str = option(
         "auto", "the layer-wise fit's forward passes under bfloat16 autocast (see --mixed-precision)", MIXED_PRECISIONS
     )
+    # What each block is fitted to. stream: the source's stream after the block (the block learns to undo the drift of
+    # the layers before it); block: the source's block on the student's own stream; auto: block where the layer norms
+    # its attention's output (Gemma 3: a normed output cannot grow to undo a drift), else stream.
+    target: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.target not in FIT_TARGETS:
+            raise ValueError(f"target must be one of {FIT_TARGETS}, got {self.target!r}.")
+
+    def fits_the_block(self, source_layer: torch.nn.Module) -> bool:
+        """Whether `source_layer`'s block is fitted to the source's block on the student's stream (`target`)."""
+        if self.target == "auto":
+            return families.output_norms(source_layer)[0] is not None
+        return self.target == "block"
 
 
 class LayerStreams(NamedTuple):
     """One layer's calibration data, [N, S, D] each."""
 
     student_in: torch.Tensor  # the student's residual stream entering the layer
-    teacher_in: torch.Tensor  # the source's
-    target: torch.Tensor  # the source's stream after its attention block
+    reference_in: torch.Tensor  # the stream the target's block read: the source's, or the student's (`target`)
+    target: torch.Tensor  # the stream after the source's attention block
 
 
 class StudentBlock(NamedTuple):
@@ -109,7 +122,7 @@ def block_parameters(block: StudentBlock, fit_gate: bool) -> list[torch.nn.Param
 def block_error(output: torch.Tensor, streams: LayerStreams, rows=slice(None)) -> torch.Tensor:
     """|output - target|^2 / |target - input|^2: the block's error relative to what the source's block adds."""
     target = streams.target[rows]
-    return (output - target).pow(2).sum() / (target - streams.teacher_in[rows]).pow(2).sum().clamp(min=1e-30)
+    return (output - target).pow(2).sum() / (target - streams.reference_in[rows]).pow(2).sum().clamp(min=1e-30)
 
 
 # The longest fitted block attended eagerly on a CPU: eager attention holds a step's [B, H, S, S] scores.
@@ -230,9 +243,13 @@ def fit_and_advance(block: StudentBlock, source_layer, fitting: FittingStreams, 
     blocks, source_in, student_in = (tensor.to(device) for tensor in (fitting.blocks, fitting.source, fitting.student))
     positions = torch.arange(blocks.shape[1], device=device)[None]
     with layer_autocast(block, fitting.settings, device), torch.no_grad():  # the source's streams are targets
-        layer, source_out = source_layer_pass(source_layer, source_in, source_rotary(source_in, positions))
-        target = layer.hidden + families.attention_added(source_layer, layer.attention)
-    streams = LayerStreams(student_in, layer.hidden, target)
+        rotary = source_rotary(source_in, positions)
+        reference, source_out = source_layer_pass(source_layer, source_in, rotary)
+        if fitting.settings.fits_the_block(source_layer):
+            reference = source_attention(source_layer, student_in, rotary)
+        reference_in = reference.hidden
+        target = reference_in + families.attention_added(source_layer, reference.attention)
+    streams = LayerStreams(student_in, reference_in, target)
     row, attended = fit_layer(block, streams, blocks, student_rotary(student_in, positions), fitting.settings)
     with layer_autocast(block, fitting.settings, device):
         fitting.student = next_student_stream(block, attended).cpu()
