@@ -300,21 +300,50 @@ class KeyScaledAttention(AbsorbedAttention):
         self.key_norm_heads, self.sliding_window = key_norm_heads, sliding_window
 
     def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, **kwargs) -> torch.Tensor:
-        """q [T, H, dn + tail], rotated; the new tokens' rows are already in kv_cache."""
+        """q [T, H, dn + tail], rotated; the new tokens' rows are already in kv_cache. On the CPU, decodes (one new
+        token each, first in the batch) run the plugin's kernel over the paged cache in place; the rest attend here."""
         if attn_metadata is None:  # the profile run
             return output.fill_(0)
         tokens = attn_metadata.num_actual_tokens
-        seq_lens = attn_metadata.request_seq_lens.to(torch.long)
-        starts = attn_metadata.request_query_start_loc.to(torch.long)
-        rows, valid = request_rows(kv_cache, attn_metadata.request_block_table, seq_lens)  # [R, T, width]
-        key = self.scaled_keys(rows)  # [R, T, Hn, r + rope]
-        query = self.absorb(q[:tokens])[..., : key.shape[-1]]  # the scale columns' zeros dropped
-        value = rows[:, :, None, : self.kv_lora_rank]  # [R, T, 1, r]
-        attended = attend_over_cache(  # [N, H, r]
-            query, key, value, valid, seq_lens, starts, self.scale, self.sliding_window
-        )
-        output[:tokens] = self.up_value(attended).flatten(1).to(output.dtype)
+        requests = attn_metadata.num_decodes if self.decodes_by_kernel(kv_cache, attn_metadata) else 0
+        attended = output[:tokens].view(tokens, self.num_heads, self.v_head_dim)
+        if requests:
+            attended[:requests] = self.up_value(self.paged_decode(q[:requests], kv_cache, attn_metadata))
+        if tokens > requests:
+            attended[requests:] = self.up_value(self.attend(q[requests:tokens], kv_cache, attn_metadata, requests))
         return output
+
+    def decodes_by_kernel(self, kv_cache: torch.Tensor, metadata) -> bool:
+        """Whether the batch's decodes run the plugin's paged kernel: on the CPU, one new token each."""
+        decodes = getattr(metadata, "num_decodes", 0)
+        return kv_cache.device.type == "cpu" and decodes > 0 and metadata.num_decode_tokens == decodes
+
+    def paged_decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata) -> torch.Tensor:
+        """One new token per request [B, H, dn + tail] over its cached rows, each score times its key-norm scale, a
+        windowed layer over its window's rows only; [B, H, r]. The PyTorch path where the kernel did not build."""
+        key_width = self.kv_lora_rank + self.rope_key_width
+        absorbed = self.absorb(query)[..., :key_width].float().contiguous()
+        out = absorbed.new_empty(*absorbed.shape[:2], self.kv_lora_rank)
+        requests = query.shape[0]
+        table, seq_lens = metadata.request_block_table[:requests], metadata.request_seq_lens[:requests]
+        scales = {"scale_column": key_width, "scale_heads": self.key_norm_heads} if self.key_norm_heads else {}
+        if paged_latent_decode(absorbed, kv_cache, table, seq_lens, self.scale, out, **scales,
+                               window=self.sliding_window or 0):  # fmt: skip
+            return out.to(query.dtype)
+        return self.attend(query, kv_cache, metadata, 0, requests)
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata, first: int, requests: int | None = None):
+        """New tokens [N, H, dn + tail] of the batch's requests from `first` (`requests` of them: all the rest) over
+        their cached rows, causal within the new tokens; [N, H, r]."""
+        last = None if requests is None else first + requests
+        seq_lens = metadata.request_seq_lens[first:last].to(torch.long)
+        starts = metadata.request_query_start_loc[first : None if last is None else last + 1].to(torch.long)
+        rows, valid = request_rows(kv_cache, metadata.request_block_table[first:last], seq_lens)  # [R, T, width]
+        key = self.scaled_keys(rows)  # [R, T, Hn, r + rope]
+        absorbed = self.absorb(query)[..., : key.shape[-1]]  # the scale columns' zeros dropped
+        value = rows[:, :, None, : self.kv_lora_rank]  # [R, T, 1, r]
+        return attend_over_cache(absorbed, key, value, valid, seq_lens, starts - starts[0], self.scale,
+                                 self.sliding_window)  # fmt: skip
 
     def scaled_keys(self, rows: torch.Tensor) -> torch.Tensor:
         """Cached rows [R, T, r + rope + Hn (+ ...)] -> keys [R, T, Hn, r + rope]: [latent ; rope keys] times each

@@ -479,6 +479,41 @@ def test_the_fp32_decode_kernel_reads_each_requests_own_rows_in_place(vllm_pytho
     run_check(vllm_python, PAGED_KERNEL_CHECK)
 
 
+# Run in the vLLM venv: the same kernel in bf16 and fp32 with `qk_norm`'s key-norm scales (3 per row, 3 query heads
+# each) multiplied into the scores over each row's first 100 of 120 columns, and with a window of 50 rows.
+PAGED_SCALED_KERNEL_CHECK = """
+import torch
+from egmla_vllm.cpu_kernels import paged_latent_decode
+
+torch.manual_seed(0)
+block_size, width, key_width, values, heads, scale_heads = 16, 120, 100, 80, 9, 3
+seq_lens = torch.tensor([1, 37, 300, 700], dtype=torch.int32)
+block_table = torch.randperm(200)[:4 * 44].view(4, 44).to(torch.int32)
+for dtype in (torch.float32, torch.bfloat16):
+    cache = torch.full((200, block_size, width), float("nan"), dtype=dtype)
+    for request, length in enumerate(seq_lens.tolist()):
+        for position in range(length):
+            row = torch.cat([torch.randn(key_width), 0.5 + torch.rand(width - key_width)])
+            cache[block_table[request, position // block_size], position % block_size] = row.to(dtype)
+    query = torch.randn(4, heads, key_width)
+    for window in (0, 50):
+        out = torch.empty(4, heads, values)
+        assert paged_latent_decode(query, cache, block_table, seq_lens, 0.1, out, key_width, scale_heads, window)
+        for request, length in enumerate(seq_lens.tolist()):
+            positions = torch.arange(max(0, length - window) if window else 0, length)
+            own = cache[block_table[request].long()[positions // block_size], positions % block_size].float()
+            scales = own[:, key_width : key_width + scale_heads].repeat_interleave(heads // scale_heads, dim=1)
+            scores = query[request] @ own[:, :key_width].T * scales.T * 0.1
+            expected = torch.softmax(scores, dim=-1) @ own[:, :values]
+            torch.testing.assert_close(out[request], expected, rtol=1e-5, atol=1e-5)
+print("OK")
+"""
+
+
+def test_the_decode_kernel_scales_each_keys_scores_and_keeps_to_a_window_in_bf16_and_fp32(vllm_python):
+    run_check(vllm_python, PAGED_SCALED_KERNEL_CHECK)
+
+
 def test_the_absorbed_attention_equals_the_expanded_one_in_every_path(vllm_python):
     run_check(vllm_python, (Path(__file__).parent / "absorbed_attention_check.py").read_text())
 

@@ -2,7 +2,9 @@
 // heads of a request share every row (one key head, MQA), so each row is read once for all of them. The work is cut
 // into chunks of a request's context, each chunk's softmax kept as (max, sum, weighted values) and the chunks merged
 // per request, so that one long request and many short ones alike keep every core busy. fp32 (vLLM's CPU latent
-// kernels serve bf16 and fp16).
+// kernels serve bf16 and fp16), and any dtype where a key's score is multiplied by its cached key-norm scale
+// (`qk_norm`, which vLLM's kernels cannot do) or a windowed layer reads only its window's last rows. The rows are
+// read in their dtype and computed on in fp32.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -40,6 +42,9 @@ inline float exp_nonpositive(float x) {
 
 struct Layout {
   int64_t heads, width, values, block_size, block_stride, table_stride;
+  int64_t row_width;     // the cached row's columns; the scores read its first `width`, the values its first `values`
+  int64_t scale_column;  // where the row's key-norm scales start (-1: none), one per key-norm head
+  int64_t scale_heads;   // key-norm heads: query head h takes scale h / (heads / scale_heads)
 };
 
 // One work item: rows [start, end) of a request whose block table row is `table`.
@@ -49,9 +54,10 @@ struct Chunk {
 };
 
 // Rows [start, end) of one request: each head's max score, sum of exponentials and weighted values, written to
-// `partial` [heads, values + 2] as (values..., max, sum). The chunk's rows are copied next to each other (they stay
-// in cache) so that the scores and the values are two matrix products.
-void attend_chunk(const float* query, const float* cache, const Chunk& chunk, float scale, const Layout& layout,
+// `partial` [heads, values + 2] as (values..., max, sum). The chunk's rows are copied next to each other in fp32 (they
+// stay in cache) so that the scores and the values are two matrix products.
+template <typename scalar_t>
+void attend_chunk(const float* query, const scalar_t* cache, const Chunk& chunk, float scale, const Layout& layout,
                   float* partial, std::vector<float>& buffer) {
   const int64_t rows = chunk.end - chunk.start, heads = layout.heads, values = layout.values, width = layout.width;
   if (rows == 0) {  // an empty request: no weight, no value
@@ -62,15 +68,20 @@ void attend_chunk(const float* query, const float* cache, const Chunk& chunk, fl
     }
     return;
   }
-  buffer.resize(rows * width + heads * rows + heads * values);
+  const int64_t scale_heads = layout.scale_column < 0 ? 0 : layout.scale_heads;
+  buffer.resize(rows * width + heads * rows + heads * values + rows * scale_heads);
   float* gathered = buffer.data();
   float* scores = gathered + rows * width;
   float* weighted = scores + heads * rows;
+  float* key_scales = weighted + heads * values;
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t position = chunk.start + t;
-    const float* row = cache + chunk.table[position / layout.block_size] * layout.block_stride +
-                       (position % layout.block_size) * width;
-    std::memcpy(gathered + t * width, row, width * sizeof(float));
+    const scalar_t* row = cache + chunk.table[position / layout.block_size] * layout.block_stride +
+                          (position % layout.block_size) * layout.row_width;
+    float* target = gathered + t * width;
+#pragma omp simd
+    for (int64_t c = 0; c < width; ++c) target[c] = static_cast<float>(row[c]);
+    for (int64_t g = 0; g < scale_heads; ++g) key_scales[t * scale_heads + g] = static_cast<float>(row[layout.scale_column + g]);
   }
   const auto options = at::TensorOptions().dtype(at::kFloat);
   const auto row_tensor = at::from_blob(gathered, {rows, width}, options);
@@ -78,6 +89,10 @@ void attend_chunk(const float* query, const float* cache, const Chunk& chunk, fl
   at::mm_out(score_tensor, at::from_blob(const_cast<float*>(query), {heads, width}, options), row_tensor.t());
   for (int64_t h = 0; h < heads; ++h) {
     float* score = scores + h * rows;
+    if (scale_heads) {  // a key's score times its key-norm scale: the score of the normed key
+      const float* by_row = key_scales + h / (heads / scale_heads);
+      for (int64_t t = 0; t < rows; ++t) score[t] *= by_row[t * scale_heads];
+    }
     const float high = *std::max_element(score, score + rows) * scale;  // scale > 0
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -116,41 +131,26 @@ void merge_chunks(const float* partials, int64_t chunks, const Layout& layout, f
 
 }  // namespace
 
-// query [B, H, D], cache [blocks, block_size, D] (rows contiguous), block_table [B, max_blocks], seq_lens [B];
-// writes out [B, H, V] (V <= D: each row's first V columns are its value).
-void paged_latent_decode(const at::Tensor& query, const at::Tensor& cache, const at::Tensor& block_table,
-                         const at::Tensor& seq_lens, double scale, at::Tensor out) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && cache.scalar_type() == at::kFloat &&
-                  out.scalar_type() == at::kFloat, "paged_latent_decode: float32 only");
-  TORCH_CHECK(query.dim() == 3 && cache.dim() == 3 && out.dim() == 3, "paged_latent_decode: [B, H, D] queries");
-  TORCH_CHECK(query.is_contiguous() && cache.stride(2) == 1 && cache.stride(1) == cache.size(2),
-              "paged_latent_decode: contiguous queries and cache rows");
-  TORCH_CHECK(out.stride(2) == 1 && out.size(2) <= query.size(2) && cache.size(2) == query.size(2),
-              "paged_latent_decode: output [B, H, V] with V <= D");
-  TORCH_CHECK(query.device().is_cpu() && cache.device().is_cpu() && out.device().is_cpu(), "paged_latent_decode: CPU");
-  TORCH_CHECK(block_table.dim() == 2 && seq_lens.dim() == 1 && block_table.size(0) == query.size(0) &&
-                  seq_lens.size(0) == query.size(0) && out.size(0) == query.size(0) && out.size(1) == query.size(1),
-              "paged_latent_decode: one block table row, length and output per request");
-  TORCH_CHECK(seq_lens.numel() == 0 || seq_lens.max().item<int64_t>() <= block_table.size(1) * cache.size(1),
-              "paged_latent_decode: a request longer than its block table");
-  const auto table = block_table.to(at::kLong).contiguous();
-  const auto lengths = seq_lens.to(at::kLong).contiguous();
+template <typename scalar_t>
+void decode_requests(const at::Tensor& query, const at::Tensor& cache, const at::Tensor& table,
+                     const at::Tensor& lengths, double scale, int64_t window, const Layout& layout, at::Tensor out) {
   const int64_t requests = query.size(0);
-  const Layout layout{query.size(1), query.size(2), out.size(2), cache.size(1), cache.stride(0), table.stride(0)};
   const int64_t* length = lengths.data_ptr<int64_t>();
-  std::vector<int64_t> first_chunk(requests + 1, 0);  // each request's chunks, numbered across the batch
-  for (int64_t r = 0; r < requests; ++r)
-    first_chunk[r + 1] = first_chunk[r] + std::max<int64_t>(1, (length[r] + kChunk - 1) / kChunk);
+  std::vector<int64_t> first_row(requests), first_chunk(requests + 1, 0);  // each request's chunks, numbered across
+  for (int64_t r = 0; r < requests; ++r) {                                  // the batch
+    first_row[r] = window > 0 ? std::max<int64_t>(0, length[r] - window) : 0;  // a window reads its last rows only
+    first_chunk[r + 1] = first_chunk[r] + std::max<int64_t>(1, (length[r] - first_row[r] + kChunk - 1) / kChunk);
+  }
   const int64_t chunks = first_chunk[requests], item = layout.heads * (layout.values + 2);
   std::vector<float> partials(chunks * item);
   const float* query_data = query.data_ptr<float>();
-  const float* cache_data = cache.data_ptr<float>();
+  const scalar_t* cache_data = cache.data_ptr<scalar_t>();
   const int64_t* table_data = table.data_ptr<int64_t>();
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer;
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       const int64_t r = std::upper_bound(first_chunk.begin(), first_chunk.end(), chunk) - first_chunk.begin() - 1;
-      const int64_t start = (chunk - first_chunk[r]) * kChunk, stop = std::min(length[r], start + kChunk);
+      const int64_t start = first_row[r] + (chunk - first_chunk[r]) * kChunk, stop = std::min(length[r], start + kChunk);
       const Chunk rows{table_data + r * layout.table_stride, start, stop};
       attend_chunk(query_data + r * layout.heads * layout.width, cache_data, rows, static_cast<float>(scale), layout,
                    partials.data() + chunk * item, buffer);
@@ -164,6 +164,39 @@ void paged_latent_decode(const at::Tensor& query, const at::Tensor& cache, const
   });
 }
 
+// query [B, H, Dq] (fp32), cache [blocks, block_size, D] (rows contiguous, fp32, bf16 or fp16), block_table
+// [B, max_blocks], seq_lens [B]; writes out [B, H, V] (fp32; V <= Dq <= D: the scores read each row's first Dq
+// columns, its value is its first V). `scale_column` >= 0: each score times the row's key-norm scale at that column
+// (+ h / (H / scale_heads) for query head h). `window` > 0: each request attends over its last `window` rows only.
+void paged_latent_decode(const at::Tensor& query, const at::Tensor& cache, const at::Tensor& block_table,
+                         const at::Tensor& seq_lens, double scale, at::Tensor out, int64_t scale_column,
+                         int64_t scale_heads, int64_t window) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_latent_decode: float32 queries and output");
+  TORCH_CHECK(query.dim() == 3 && cache.dim() == 3 && out.dim() == 3, "paged_latent_decode: [B, H, D] queries");
+  TORCH_CHECK(query.is_contiguous() && cache.stride(2) == 1 && cache.stride(1) == cache.size(2),
+              "paged_latent_decode: contiguous queries and cache rows");
+  TORCH_CHECK(out.stride(2) == 1 && out.size(2) <= query.size(2) && query.size(2) <= cache.size(2),
+              "paged_latent_decode: output [B, H, V] with V <= Dq <= D");
+  TORCH_CHECK(scale_column < 0 || (scale_heads > 0 && query.size(1) % scale_heads == 0 &&
+                                   scale_column + scale_heads <= cache.size(2)),
+              "paged_latent_decode: key-norm scales inside the row, a whole number of query heads each");
+  TORCH_CHECK(query.device().is_cpu() && cache.device().is_cpu() && out.device().is_cpu(), "paged_latent_decode: CPU");
+  TORCH_CHECK(block_table.dim() == 2 && seq_lens.dim() == 1 && block_table.size(0) == query.size(0) &&
+                  seq_lens.size(0) == query.size(0) && out.size(0) == query.size(0) && out.size(1) == query.size(1),
+              "paged_latent_decode: one block table row, length and output per request");
+  TORCH_CHECK(seq_lens.numel() == 0 || seq_lens.max().item<int64_t>() <= block_table.size(1) * cache.size(1),
+              "paged_latent_decode: a request longer than its block table");
+  const auto table = block_table.to(at::kLong).contiguous();
+  const auto lengths = seq_lens.to(at::kLong).contiguous();
+  const Layout layout{query.size(1), query.size(2), out.size(2), cache.size(1), cache.stride(0), table.stride(0),
+                      cache.size(2), scale_column, scale_heads};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "paged_latent_decode", [&] {
+    decode_requests<scalar_t>(query, cache, table, lengths, scale, window, layout, out);
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("paged_latent_decode", &paged_latent_decode, "fp32 MQA decode over a paged latent cache");
+  module.def("paged_latent_decode", &paged_latent_decode,
+             "MQA decode over a paged latent cache, with key-norm scales and a window where given");
 }
