@@ -237,7 +237,8 @@ class AbsorbedAttention(MLAAttention):
             self.kv_b_proj(new_rows[:, :latent])[0].view(tokens, self.num_heads, -1).split([nope, self.v_head_dim], -1)
         )
         rope_key = new_rows[:, None, latent : latent + self.rope_key_width].expand(-1, self.num_heads, -1)
-        key, query = torch.cat([key_nope, rope_key], dim=-1), query[..., : nope + self.rope_key_width]
+        key = self.prompt_keys(torch.cat([key_nope, rope_key], dim=-1), new_rows)
+        query = query[..., : nope + self.rope_key_width]
         if self.kernels:  # widths in multiples of the kernels' alignment
             key_width, value_width = latent_value_width(key.shape[-1]), latent_value_width(self.v_head_dim)
         else:  # vLLM's CPU attention (and SDPA's fused CPU kernel) takes keys and values of one width
@@ -248,9 +249,14 @@ class AbsorbedAttention(MLAAttention):
         )
         if not self.kernels:
             starts = metadata.prefill.query_start_loc.to(torch.long)
-            return staged_causal_attention(query, key, value, starts, self.scale)[..., : self.v_head_dim]
+            window = getattr(self, "sliding_window", None)
+            return staged_causal_attention(query, key, value, starts, self.scale, window)[..., : self.v_head_dim]
         # No cached context: the kernel reads only the new keys and values, so they stand in for the cache too.
         return extend_attention(query, key, value, key, value, metadata.prefill, self.scale)[..., : self.v_head_dim]
+
+    def prompt_keys(self, key: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
+        """The prompts' expanded keys [N, H, dk] as they are (`KeyScaledAttention` scales them)."""
+        return key
 
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata) -> torch.Tensor:
         """Absorbed queries [B, H, D], one per request, over its cached rows. Returns [B, H, value_width]."""
@@ -286,13 +292,15 @@ class AbsorbedAttention(MLAAttention):
 
 class KeyScaledAttention(AbsorbedAttention):
     """`qk_norm` with the gate off or on the latent: every score of a cached key is multiplied by its key-norm scale
-    (cached after the rope keys, one per key-norm head), which vLLM's latent kernels cannot do. Prompts and decodes
-    alike attend absorbed, in one pass: each query [q_nope W^{UK} ; rope query] over its request's cached rows
-    [latent ; rope keys] times each key-norm head's scales (`key_norm_heads` keys per row, made per step, never
-    cached; query head i takes head i // (H / Hn), its key head's), the values the latents, taken to values by
-    W^{UV} after. A scaled key times the query is the scaled score: exact. A model with windowed layers runs here
-    too, `key_norm_heads` 0 without `qk_norm` (the rows unscaled): `sliding_window` masks a windowed layer's keys
-    (vLLM's latent kernels apply none). Returns the attended values [T, H * dv].
+    (cached after the rope keys, one per key-norm head; query head i takes head i // (H / Hn), its key head's), which
+    vLLM's latent kernels cannot do. A scaled key times the query is the scaled score: exact. A model with windowed
+    layers runs here too, `key_norm_heads` 0 without `qk_norm` (the rows unscaled), each windowed layer within its
+    `sliding_window` (vLLM's latent kernels apply none). On the CPU, decodes run the plugin's paged kernel, which
+    multiplies the scales into the scores (`paged_decode`), and prompts with no cached context attend expanded, each
+    head's key rebuilt and scaled, by vLLM's CPU attention (`expanded_prefill`). Elsewhere, and for prompts after a
+    cached context, each query [q_nope W^{UK} ; rope query] attends over its request's cached rows [latent ; rope
+    keys] times their scales (made per step, never cached), the values the latents, taken to values by W^{UV} after
+    (`attend`). Returns the attended values [T, H * dv].
     """
 
     def __init__(self, rope_key_width: int, key_norm_heads: int, sliding_window: int | None = None, **kwargs):
@@ -309,9 +317,29 @@ class KeyScaledAttention(AbsorbedAttention):
         attended = output[:tokens].view(tokens, self.num_heads, self.v_head_dim)
         if requests:
             attended[:requests] = self.up_value(self.paged_decode(q[:requests], kv_cache, attn_metadata))
-        if tokens > requests:
+        if tokens > requests and self.prompts_expanded(kv_cache, attn_metadata, requests):
+            new_rows = torch.cat([k_c_normed[requests:tokens], k_pe[requests:tokens, 0]], dim=-1)  # [N, D]
+            attended[requests:] = self.expanded_prefill(q[requests:tokens], new_rows, attn_metadata)
+        elif tokens > requests:
             attended[requests:] = self.up_value(self.attend(q[requests:tokens], kv_cache, attn_metadata, requests))
         return output
+
+    def prompts_expanded(self, kv_cache: torch.Tensor, metadata, decodes: int) -> bool:
+        """Whether the batch's prompts attend expanded (`expanded_prefill`, vLLM's CPU attention over each head's
+        scaled keys): on the CPU, with no cached context, the decodes taken apart (`decodes_by_kernel`)."""
+        prefill = getattr(metadata, "prefill", None)
+        return (
+            kv_cache.device.type == "cpu" and prefill is not None and prefill.chunked_context is None
+            and decodes == metadata.num_decode_tokens
+        )  # fmt: skip
+
+    def prompt_keys(self, key: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
+        """Each head's expanded key [N, H, dk] times its key-norm head's scale (cached after the rope keys)."""
+        if not self.key_norm_heads:
+            return key
+        first = self.kv_lora_rank + self.rope_key_width
+        scales = new_rows[:, first : first + self.key_norm_heads]
+        return key * scales.repeat_interleave(self.num_heads // self.key_norm_heads, dim=-1)[..., None]
 
     def decodes_by_kernel(self, kv_cache: torch.Tensor, metadata) -> bool:
         """Whether the batch's decodes run the plugin's paged kernel: on the CPU, one new token each."""
@@ -397,13 +425,16 @@ SCRATCH_BLOCK_SIZE = 32
 
 
 def staged_causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Each prompt's queries [N, H, d] over its own keys and values [N, H, d] (d a multiple of 32), causal, by the
-    CPU attention kernel vLLM's own Llama runs, the keys and values staged through a scratch paged cache as vLLM
-    stages encoder attention; by SDPA (`causal_attention`) where this vLLM lacks the kernel. Returns [N, H, d]."""
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor, scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Each prompt's queries [N, H, d] over its own keys and values [N, H, d] (d a multiple of 32), causal (within
+    `sliding_window` positions where given), by the CPU attention kernel vLLM's own Llama runs, the keys and values
+    staged through a scratch paged cache as vLLM stages encoder attention; by SDPA (`causal_attention`) where this
+    vLLM lacks the kernel. Returns [N, H, d]."""
     if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
-        return causal_attention(query, key, value, starts, scale)
+        return causal_attention(query, key, value, starts, scale, sliding_window)
+    window = -1 if sliding_window is None else sliding_window
     tokens, heads, width = key.shape
     lengths = starts[1:] - starts[:-1]
     blocks = -(-lengths // SCRATCH_BLOCK_SIZE)  # each request's own, one after another
@@ -418,25 +449,28 @@ def staged_causal_attention(
     starts, lengths = starts.to(torch.int32), lengths.to(torch.int32)
     schedule = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=len(lengths), num_heads=heads, num_kv_heads=heads, head_dim=width, seq_lens=lengths,
-        dtype=key.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
+        dtype=key.dtype, query_start_loc=starts, causal=True, sliding_window_size=window, isa=isa,
+        enable_kv_split=False,
     )  # fmt: skip
     out = torch.empty_like(query)
     ops.cpu_attention_with_kv_cache(
         query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
-        seq_lens=lengths, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+        seq_lens=lengths, scale=scale, causal=True, alibi_slopes=None, sliding_window=window,
         block_table=block_table.to(torch.int32), softcap=0.0, scheduler_metadata=schedule, s_aux=None,
     )  # fmt: skip
     return out
 
 
 def causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Each prompt's queries [N, H, d] over its own keys and values [N, Hkv, d], causal: prompts of one length as
-    they are, others padded to the longest with a mask. Returns [N, H, d]."""
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor, scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Each prompt's queries [N, H, d] over its own keys and values [N, Hkv, d], causal (within `sliding_window`
+    positions where given): prompts of one length as they are, others padded to the longest with a mask. Returns
+    [N, H, d]."""
     lengths = starts[1:] - starts[:-1]
     gqa = key.shape[1] != query.shape[1]
-    if bool((lengths == lengths[0]).all()):
+    if sliding_window is None and bool((lengths == lengths[0]).all()):
         query, key, value = (
             part.view(len(lengths), -1, *part.shape[1:]).transpose(1, 2) for part in (query, key, value)
         )
@@ -448,6 +482,8 @@ def causal_attention(
     key, value = (padded_queries(part, starts)[0] for part in (key, value))  # [R, S, Hkv, d]
     positions = torch.arange(padded.shape[1], device=query.device)
     mask = (positions[None, None, :] <= positions[None, :, None]) & (positions[None, None, :] < lengths[:, None, None])
+    if sliding_window is not None:
+        mask &= positions[None, None, :] > positions[None, :, None] - sliding_window
     attended = torch.nn.functional.scaled_dot_product_attention(
         padded.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
         enable_gqa=gqa,

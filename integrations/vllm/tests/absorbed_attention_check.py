@@ -27,8 +27,8 @@ class Layer(SimpleNamespace):
     """AbsorbedAttention's methods over plain attributes (no vLLM config needed)."""
 
 
-for method in ("process_weights_after_loading", "forward_impl", "absorb", "up_value", "expanded_prefill", "decode",
-               "absorbed_prefill"):  # fmt: skip
+for method in ("process_weights_after_loading", "forward_impl", "absorb", "up_value", "expanded_prefill", "prompt_keys",
+               "decode", "absorbed_prefill"):  # fmt: skip
     setattr(Layer, method, getattr(AbsorbedAttention, method))
 
 
