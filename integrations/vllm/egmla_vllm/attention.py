@@ -22,7 +22,7 @@ from vllm.model_executor.layers.attention import MLAAttention
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, MLACommonMetadataBuilder
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionLayer, MultipleOf
-from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
 from vllm.v1.attention.backends.mla.amx_mla import AMXMLAMetadataBuilder
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
@@ -429,11 +429,15 @@ def staged_causal_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Each prompt's queries [N, H, d] over its own keys and values [N, H, d] (d a multiple of 32), causal (within
-    `sliding_window` positions where given), by the CPU attention kernel vLLM's own Llama runs, the keys and values
-    staged through a scratch paged cache as vLLM stages encoder attention; by SDPA (`causal_attention`) where this
-    vLLM lacks the kernel. Returns [N, H, d]."""
-    if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
+    `sliding_window` positions where given), by the CPU attention kernel vLLM's own Llama runs (padded with zero
+    columns to its next head size), the keys and values staged through a scratch paged cache as vLLM stages encoder
+    attention; by SDPA (`causal_attention`) where this vLLM lacks the kernel or the size. Returns [N, H, d]."""
+    widths = [size for size in CPUAttentionBackend.get_supported_head_sizes() if size >= key.shape[-1]]
+    if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache") or not widths:
         return causal_attention(query, key, value, starts, scale, sliding_window)
+    if widths[0] > key.shape[-1]:  # the kernel's next head size: zero columns add nothing
+        padded = (pad_to(part, widths[0]) for part in (query, key, value))
+        return staged_causal_attention(*padded, starts, scale, sliding_window)[..., : key.shape[-1]]
     window = -1 if sliding_window is None else sliding_window
     tokens, heads, width = key.shape
     lengths = starts[1:] - starts[:-1]
