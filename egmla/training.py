@@ -105,9 +105,11 @@ class FinetuneResult:
     steps_planned: int | None = None  # the schedule's length (budgeted when `steps` was None)
 
 
-# Logits per chunk of the distillation loss (whole rows, at least one): its fp32 temporaries stay within the CPU's
-# caches. Larger chunks were slower for every vocabulary measured (docs/results.md#behind-the-defaults).
+# Logits per chunk of the distillation loss (whole rows, at least one): on the CPU its fp32 temporaries stay within
+# the caches; larger chunks were slower for every vocabulary measured (docs/results.md#behind-the-defaults). On an
+# accelerator a chunk is a few kernel launches, so chunks are larger there, a few hundred MB of temporaries at most.
 DISTILLATION_ELEMENTS_PER_CHUNK = 2**19
+ACCELERATOR_ELEMENTS_PER_CHUNK = 2**25
 
 
 class ChunkedDistillation(torch.autograd.Function):
@@ -120,7 +122,8 @@ class ChunkedDistillation(torch.autograd.Function):
         student = student_logits.detach().reshape(-1, student_logits.shape[-1])  # [tokens, vocab]
         teacher = teacher_logits.detach().reshape(-1, teacher_logits.shape[-1])
         tokens, vocab = student.shape
-        rows_per_chunk = max(1, DISTILLATION_ELEMENTS_PER_CHUNK // vocab)
+        on_cpu = student.device.type == "cpu"
+        rows_per_chunk = max(1, (DISTILLATION_ELEMENTS_PER_CHUNK if on_cpu else ACCELERATOR_ELEMENTS_PER_CHUNK) // vocab)
         gradient = torch.empty_like(student)
         total = torch.zeros((), dtype=torch.float64, device=student.device)
         for start in range(0, tokens, rows_per_chunk):

@@ -77,8 +77,8 @@ def latent_backend(
 
 @dataclass
 class EGMLAMLAMetadata(MLACommonMetadata):
-    # The whole batch as the scheduler laid it out, for the gate on K/V (`GatedKVAttention`), which attends every
-    # new token over its request's cache in one pass: [R, blocks], [R], [R + 1].
+    # The whole batch as the scheduler laid it out, for the attentions that read each request's cache themselves
+    # (`RebuildingAttention`, `KeyScaledAttention`): [R, blocks], [R], [R + 1].
     request_block_table: torch.Tensor | None = None
     request_seq_lens: torch.Tensor | None = None
     request_query_start_loc: torch.Tensor | None = None
@@ -326,12 +326,12 @@ class KeyScaledAttention(AbsorbedAttention):
 
     def prompts_expanded(self, kv_cache: torch.Tensor, metadata, decodes: int) -> bool:
         """Whether the batch's prompts attend expanded (`expanded_prefill`, vLLM's CPU attention over each head's
-        scaled keys): on the CPU, with no cached context, the decodes taken apart (`decodes_by_kernel`)."""
-        prefill = getattr(metadata, "prefill", None)
-        return (
-            kv_cache.device.type == "cpu" and prefill is not None and prefill.chunked_context is None
-            and decodes == metadata.num_decode_tokens
-        )  # fmt: skip
+        scaled keys): on the CPU, no prompt after a cached context, the decodes taken apart (`decodes_by_kernel`)."""
+        if kv_cache.device.type != "cpu" or getattr(metadata, "prefill", None) is None:
+            return False
+        starts = metadata.request_query_start_loc[decodes:]
+        fresh = torch.equal(metadata.request_seq_lens[decodes:].long(), (starts[1:] - starts[:-1]).long())
+        return fresh and decodes == metadata.num_decode_tokens  # each prompt's new tokens are its whole sequence
 
     def prompt_keys(self, key: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
         """Each head's expanded key [N, H, dk] times its key-norm head's scale (cached after the rope keys)."""
@@ -428,15 +428,15 @@ def staged_causal_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor, scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Each prompt's queries [N, H, d] over its own keys and values [N, H, d] (d a multiple of 32), causal (within
+    """Each prompt's queries [N, H, d] over its own keys and values [N, H, d], causal (within
     `sliding_window` positions where given), by the CPU attention kernel vLLM's own Llama runs (padded with zero
     columns to its next head size), the keys and values staged through a scratch paged cache as vLLM stages encoder
     attention; by SDPA (`causal_attention`) where this vLLM lacks the kernel or the size. Returns [N, H, d]."""
     widths = [size for size in CPUAttentionBackend.get_supported_head_sizes() if size >= key.shape[-1]]
     if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache") or not widths:
         return causal_attention(query, key, value, starts, scale, sliding_window)
-    if widths[0] > key.shape[-1]:  # the kernel's next head size: zero columns add nothing
-        padded = (pad_to(part, widths[0]) for part in (query, key, value))
+    if min(widths) > key.shape[-1]:  # the kernel's next head size: zero columns add nothing
+        padded = (pad_to(part, min(widths)) for part in (query, key, value))
         return staged_causal_attention(*padded, starts, scale, sliding_window)[..., : key.shape[-1]]
     window = -1 if sliding_window is None else sliding_window
     tokens, heads, width = key.shape

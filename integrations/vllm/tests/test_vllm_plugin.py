@@ -514,6 +514,37 @@ def test_the_decode_kernel_scales_each_keys_scores_and_keeps_to_a_window_in_bf16
     run_check(vllm_python, PAGED_SCALED_KERNEL_CHECK)
 
 
+# Run in the vLLM venv: prompts of unequal lengths by vLLM's CPU attention at a head size it lacks (40: padded to its
+# next), causal and within a window of 5, against SDPA with a mask over each prompt's own keys.
+STAGED_ATTENTION_CHECK = """
+import torch
+from egmla_vllm.attention import staged_causal_attention
+
+torch.manual_seed(0)
+heads, width, lengths = 3, 40, [7, 19, 12]
+starts = torch.tensor([0] + lengths).cumsum(0)
+query, key, value = (torch.randn(sum(lengths), heads, width).bfloat16() for _ in range(3))
+for window in (None, 5):
+    out = staged_causal_attention(query, key, value, starts, 0.2, window)
+    assert out.shape == query.shape
+    for request, length in enumerate(lengths):
+        rows = slice(starts[request], starts[request + 1])
+        positions = torch.arange(length)
+        mask = positions[None] <= positions[:, None]
+        if window is not None:
+            mask &= positions[None] > positions[:, None] - window
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            *(part[rows].transpose(0, 1).float() for part in (query, key, value)), attn_mask=mask, scale=0.2
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[rows].float(), expected, rtol=2e-2, atol=2e-2)
+print("OK")
+"""
+
+
+def test_prompts_attend_by_vllms_cpu_attention_at_a_head_size_it_lacks_within_a_window(vllm_python):
+    run_check(vllm_python, STAGED_ATTENTION_CHECK)
+
+
 def test_the_absorbed_attention_equals_the_expanded_one_in_every_path(vllm_python):
     run_check(vllm_python, (Path(__file__).parent / "absorbed_attention_check.py").read_text())
 
