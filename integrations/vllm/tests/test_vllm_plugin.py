@@ -445,29 +445,43 @@ def test_the_paged_attention_reads_each_requests_own_rows_past_nan_slots(vllm_py
     run_check(vllm_python, PAGED_DECODE_CHECK)
 
 
-# Run in the vLLM venv: the fp32 decode kernel (`cpu_kernels`, built here) reads each request's own rows in place from
-# a paged cache whose other slots hold NaN, across several of its chunks of 256 rows, as `mqa_decode` calls it.
-PAGED_KERNEL_CHECK = """
-from types import SimpleNamespace
+# The decode kernel checks' paged cache: 4 requests of 1 to 700 rows over shuffled blocks of 16, other slots NaN.
+PAGED_CACHE = """
 import torch
-from egmla_vllm.attention import mqa_decode
 from egmla_vllm.cpu_kernels import paged_latent_decode
 
 torch.manual_seed(0)
-block_size, width, values, heads = 16, 120, 90, 9
-cache = torch.full((200, block_size, width), float("nan"))
+block_size = 16
 seq_lens = torch.tensor([1, 37, 300, 700], dtype=torch.int32)
 block_table = torch.randperm(200)[:4 * 44].view(4, 44).to(torch.int32)
-for request, length in enumerate(seq_lens.tolist()):
-    for position in range(length):
-        cache[block_table[request, position // block_size], position % block_size] = torch.randn(width)
+
+
+def paged_cache(width, new_row, dtype=torch.float32):
+    cache = torch.full((200, block_size, width), float("nan"), dtype=dtype)
+    for request, length in enumerate(seq_lens.tolist()):
+        for position in range(length):
+            cache[block_table[request, position // block_size], position % block_size] = new_row().to(dtype)
+    return cache
+
+
+def own_rows(cache, request, positions):
+    return cache[block_table[request].long()[positions // block_size], positions % block_size].float()
+"""
+
+# Run in the vLLM venv: the fp32 decode kernel (`cpu_kernels`, built here) reads each request's own rows in place from
+# a paged cache whose other slots hold NaN, across several of its chunks of 256 rows, as `mqa_decode` calls it.
+PAGED_KERNEL_CHECK = PAGED_CACHE + """
+from types import SimpleNamespace
+from egmla_vllm.attention import mqa_decode
+
+width, values, heads = 120, 90, 9
+cache = paged_cache(width, lambda: torch.randn(width))
 query = torch.randn(4, heads, width)
 out = torch.empty(4, heads, values)
 assert paged_latent_decode(query, cache, block_table, seq_lens, 0.1, out)  # built, and it ran
 decoded = mqa_decode(query, cache, SimpleNamespace(block_table=block_table, seq_lens=seq_lens), 0.1, values)
 for request, length in enumerate(seq_lens.tolist()):
-    positions = torch.arange(length)
-    own = cache[block_table[request].long()[positions // block_size], positions % block_size]
+    own = own_rows(cache, request, torch.arange(length))
     expected = torch.softmax(query[request] @ own.T * 0.1, dim=-1) @ own[:, :values]
     torch.testing.assert_close(out[request], expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(decoded[request], expected, rtol=1e-5, atol=1e-5)
@@ -481,27 +495,16 @@ def test_the_fp32_decode_kernel_reads_each_requests_own_rows_in_place(vllm_pytho
 
 # Run in the vLLM venv: the same kernel in bf16 and fp32 with `qk_norm`'s key-norm scales (3 per row, 3 query heads
 # each) multiplied into the scores over each row's first 100 of 120 columns, and with a window of 50 rows.
-PAGED_SCALED_KERNEL_CHECK = """
-import torch
-from egmla_vllm.cpu_kernels import paged_latent_decode
-
-torch.manual_seed(0)
-block_size, width, key_width, values, heads, scale_heads = 16, 120, 100, 80, 9, 3
-seq_lens = torch.tensor([1, 37, 300, 700], dtype=torch.int32)
-block_table = torch.randperm(200)[:4 * 44].view(4, 44).to(torch.int32)
+PAGED_SCALED_KERNEL_CHECK = PAGED_CACHE + """
+width, key_width, values, heads, scale_heads = 120, 100, 80, 9, 3
 for dtype in (torch.float32, torch.bfloat16):
-    cache = torch.full((200, block_size, width), float("nan"), dtype=dtype)
-    for request, length in enumerate(seq_lens.tolist()):
-        for position in range(length):
-            row = torch.cat([torch.randn(key_width), 0.5 + torch.rand(width - key_width)])
-            cache[block_table[request, position // block_size], position % block_size] = row.to(dtype)
+    cache = paged_cache(width, lambda: torch.cat([torch.randn(key_width), 0.5 + torch.rand(width - key_width)]), dtype)
     query = torch.randn(4, heads, key_width)
     for window in (0, 50):
         out = torch.empty(4, heads, values)
         assert paged_latent_decode(query, cache, block_table, seq_lens, 0.1, out, key_width, scale_heads, window)
         for request, length in enumerate(seq_lens.tolist()):
-            positions = torch.arange(max(0, length - window) if window else 0, length)
-            own = cache[block_table[request].long()[positions // block_size], positions % block_size].float()
+            own = own_rows(cache, request, torch.arange(max(0, length - window) if window else 0, length))
             scales = own[:, key_width : key_width + scale_heads].repeat_interleave(heads // scale_heads, dim=1)
             scores = query[request] @ own[:, :key_width].T * scales.T * 0.1
             expected = torch.softmax(scores, dim=-1) @ own[:, :values]
