@@ -122,8 +122,8 @@ class ChunkedDistillation(torch.autograd.Function):
         student = student_logits.detach().reshape(-1, student_logits.shape[-1])  # [tokens, vocab]
         teacher = teacher_logits.detach().reshape(-1, teacher_logits.shape[-1])
         tokens, vocab = student.shape
-        on_cpu = student.device.type == "cpu"
-        rows_per_chunk = max(1, (DISTILLATION_ELEMENTS_PER_CHUNK if on_cpu else ACCELERATOR_ELEMENTS_PER_CHUNK) // vocab)
+        elements = DISTILLATION_ELEMENTS_PER_CHUNK if student.device.type == "cpu" else ACCELERATOR_ELEMENTS_PER_CHUNK
+        rows_per_chunk = max(1, elements // vocab)
         gradient = torch.empty_like(student)
         total = torch.zeros((), dtype=torch.float64, device=student.device)
         for start in range(0, tokens, rows_per_chunk):

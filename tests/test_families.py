@@ -61,7 +61,8 @@ def test_a_block_whose_output_is_normed_is_fitted_to_the_source_block_on_the_stu
 
     teacher = tiny_source(family)
     calibration = torch.randint(3, 96, (4, 64), generator=torch.Generator().manual_seed(0))
-    student = convert_llama_to_egmla(teacher, ConversionOptions(**FULL_RANK["exact"], gate_embedding_dim=0), calibration)
+    options = ConversionOptions(**FULL_RANK["exact"], gate_embedding_dim=0)
+    student = convert_llama_to_egmla(teacher, options, calibration)
     blocks = torch.randint(3, 96, (4, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         source = teacher.model.embed_tokens(blocks)
@@ -73,7 +74,8 @@ def test_a_block_whose_output_is_normed_is_fitted_to_the_source_block_on_the_stu
         fitting = FittingStreams(blocks, source, drifted.clone(), replace(settings, target=target))
         source_rotary = layer_rotary(teacher.model.rotary_emb, teacher.config, 1)
         block = student_block(copy.deepcopy(student), 1)
-        rows[target] = fit_and_advance(block, teacher.model.layers[1], fitting, source_rotary, student.model.rotary_of(1))
+        student_rotary = student.model.rotary_of(1)
+        rows[target] = fit_and_advance(block, teacher.model.layers[1], fitting, source_rotary, student_rotary)
     assert rows["block"]["before"] < 1e-8 and rows["stream"]["before"] > 0.1
     expected = rows["block" if family == "gemma3" else "stream"]["before"]
     assert rows["auto"]["before"] == pytest.approx(expected, rel=1e-4, abs=1e-8)

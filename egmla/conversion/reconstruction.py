@@ -4,9 +4,9 @@ the student's residual stream after the block matches the source's on calibratio
 The student block reads the student's own residual stream (the already converted and fitted prefix), and its
 target is the source's stream after the same block: it learns to undo the drift of the layers before it instead
 of letting errors compound. Where the layer norms its attention's output (Gemma 3), that output cannot grow to undo
-a drift, and the target is the source's block applied to the student's stream (`ReconstructionSettings.target`). Only the block's parameters move (its projections, and its gate table and W^{UE}
-when the gate is on); the rest stays the source's. A block whose fit does not lower its error keeps its
-closed-form weights.
+a drift, and the target is the source's block applied to the student's stream (`ReconstructionSettings.target`).
+Only the block's parameters move (its projections, and its gate table and W^{UE} when the gate is on); the rest
+stays the source's. A block whose fit does not lower its error keeps its closed-form weights.
 """
 
 import contextlib

@@ -493,8 +493,8 @@ def test_the_fp32_decode_kernel_reads_each_requests_own_rows_in_place(vllm_pytho
     run_check(vllm_python, PAGED_KERNEL_CHECK)
 
 
-# Run in the vLLM venv: the same kernel in fp32, bf16 and fp16 with `qk_norm`'s key-norm scales (3 per row, 3 query heads
-# each) multiplied into the scores over each row's first 100 of 120 columns, and with a window of 50 rows.
+# Run in the vLLM venv: the same kernel in fp32, bf16 and fp16 with `qk_norm`'s key-norm scales (3 per row, 3 query
+# heads each) multiplied into the scores over each row's first 100 of 120 columns, and with a window of 50 rows.
 PAGED_SCALED_KERNEL_CHECK = PAGED_CACHE + """
 width, key_width, values, heads, scale_heads = 120, 100, 80, 9, 3
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
