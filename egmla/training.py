@@ -33,6 +33,7 @@ from .text import loss_and_accuracy, token_blocks
 STATE_FOLDER = "accelerate_state"
 PROGRESS_FILE = "progress.json"
 LAST_CHECKPOINT = "last"  # the checkpoint folder inside checkpoint_dir
+DISTILLATION_VOCABULARIES = ("auto", "full", "text")
 
 
 @dataclass
@@ -67,6 +68,11 @@ class FinetuneSettings:
         "models of width 512 or more",
         MIXED_PRECISIONS,
     )
+    # The logits distilled. full: the whole vocabulary; text: only the tokens of the training text, both models'
+    # distributions renormalised over them; auto: text where the output head has more weights than the layers (its
+    # logits are then most of a step's products), the head is not trained, and the loss is distillation alone, else
+    # full.
+    distillation_vocabulary: str = "auto"
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -80,6 +86,13 @@ class FinetuneSettings:
             raise ValueError("resume=True needs a checkpoint_dir.")
         if self.attention_only and self.lora:
             raise ValueError("attention_only and lora are exclusive: LoRA already chooses what it trains.")
+        if self.distillation_vocabulary not in DISTILLATION_VOCABULARIES:
+            raise ValueError(
+                f"distillation_vocabulary must be one of {DISTILLATION_VOCABULARIES}, got "
+                f"{self.distillation_vocabulary!r}."
+            )
+        if self.distillation_vocabulary == "text" and self.ce_weight > 0:
+            raise ValueError("distillation_vocabulary='text' renormalises the logits: it cannot go with ce_weight > 0.")
 
     @classmethod
     def from_scratch(cls, **overrides) -> "FinetuneSettings":
@@ -103,6 +116,7 @@ class FinetuneResult:
     history: list[dict] = field(default_factory=list)  # {"step", "loss"} and {"step", "held_out_loss"}
     stopped_early: bool = False
     steps_planned: int | None = None  # the schedule's length (budgeted when `steps` was None)
+    distilled_tokens: int | None = None  # the vocabulary distilled over: its size (None: the whole vocabulary)
 
 
 # Logits per chunk of the distillation loss (whole rows, at least one): on the CPU its fp32 temporaries stay within
@@ -246,6 +260,7 @@ class Run:
     schedule: CosineSchedule
     trainable: list[torch.nn.Parameter]
     autocast: torch.autocast  # the forward passes' (bfloat16 where `uses_bf16`, else disabled)
+    vocabulary: torch.Tensor | None = None  # the token ids distilled over (`distillation_vocabulary`); None: all
 
 
 def prepare_run(student: EGMLAForCausalLM, settings: FinetuneSettings) -> Run:
@@ -300,6 +315,48 @@ def budgeted_start(run: Run, teacher, blocks: torch.Tensor, settings: FinetuneSe
     return steps
 
 
+def head_logits(model: torch.nn.Module, hidden: torch.Tensor, vocabulary: torch.Tensor) -> torch.Tensor:
+    """`model`'s output head on `hidden` over the token ids `vocabulary` only (soft-capped where its config says)."""
+    head = model.get_output_embeddings()
+    bias = None if head.bias is None else head.bias[vocabulary]
+    logits = F.linear(hidden, head.weight[vocabulary], bias)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def forward_logits(
+    model: torch.nn.Module,
+    unwrapped: torch.nn.Module,
+    batch: torch.Tensor,
+    vocabulary: torch.Tensor | None,
+    labels: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`model`'s logits on `batch` and its next-token loss on `labels` (None without): over the whole vocabulary, or
+    over `vocabulary` from the last hidden states, the whole head then run on one position only (`unwrapped` is
+    `model` without accelerate's or PEFT's wrappers, whose head it reads)."""
+    if vocabulary is None:
+        outputs = model(input_ids=batch, labels=labels, use_cache=False)
+        return outputs.logits, outputs.loss
+    outputs = model(input_ids=batch, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    return head_logits(unwrapped, outputs.hidden_states[-1], vocabulary), None
+
+
+def distilled_vocabulary(
+    student: EGMLAForCausalLM, teacher: torch.nn.Module | None, blocks: torch.Tensor, settings: FinetuneSettings
+) -> torch.Tensor | None:
+    """The token ids the distillation covers (`settings.distillation_vocabulary`): those of `blocks`, or None for
+    the whole vocabulary."""
+    choice = settings.distillation_vocabulary
+    if choice == "auto":
+        head = student.get_output_embeddings().weight.numel()
+        layers = sum(parameter.numel() for parameter in student.model.layers.parameters())
+        frozen_head = settings.attention_only or settings.lora  # a head trained over some tokens would drift on others
+        choice = "text" if settings.ce_weight == 0 and frozen_head and head > layers else "full"
+    if choice == "full" or teacher is None or settings.distill_weight <= 0:
+        return None
+    return torch.unique(blocks)
+
+
 def step_loss(
     run: Run,
     teacher: torch.nn.Module | None,
@@ -318,17 +375,18 @@ def step_loss(
         source = accelerator.process_index * micro_batches + micro
         batch = blocks[batch_indices(step, len(blocks), settings.batch_size, settings.seed, source)]
         batch = batch.to(accelerator.device)
+        student = accelerator.unwrap_model(run.model)
         with run.autocast:
-            outputs = run.model(input_ids=batch, labels=batch if settings.ce_weight > 0 else None, use_cache=False)
+            logits, next_token_loss = forward_logits(
+                run.model, student, batch, run.vocabulary, batch if settings.ce_weight > 0 else None
+            )
         loss = torch.zeros((), device=accelerator.device)
         if settings.distill_weight > 0:
             with torch.no_grad(), run.autocast:
-                teacher_logits = teacher(batch, use_cache=False).logits
-            loss = loss + settings.distill_weight * distillation_loss(
-                outputs.logits, teacher_logits, settings.temperature
-            )
+                teacher_logits, _ = forward_logits(teacher, teacher, batch, run.vocabulary)
+            loss = loss + settings.distill_weight * distillation_loss(logits, teacher_logits, settings.temperature)
         if settings.ce_weight > 0:
-            loss = loss + settings.ce_weight * outputs.loss
+            loss = loss + settings.ce_weight * next_token_loss
         # Gradients are synchronized across processes on the last micro-batch only.
         sync = contextlib.nullcontext() if micro == micro_batches - 1 else accelerator.no_sync(run.model)
         with sync:
@@ -383,7 +441,10 @@ def finetune(
     with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
         torch.manual_seed(settings.seed)
         student.zero_grad(set_to_none=True)  # gradients a caller left would add to the first step's
+        vocabulary = distilled_vocabulary(student, teacher, train_blocks, settings)
         run = prepare_run(student, settings)
+        if vocabulary is not None:
+            run.vocabulary = vocabulary.to(run.accelerator.device)
         return train_loop(run, teacher, train_blocks, settings, eval_blocks)
 
 
@@ -454,7 +515,8 @@ def train_loop(
     if isinstance(model, PeftModel):
         model = model.merge_and_unload()
     model.eval()
-    return FinetuneResult(model, steps_done, time.time() - started, history, stopped_early, settings.steps)
+    distilled = None if run.vocabulary is None else len(run.vocabulary)
+    return FinetuneResult(model, steps_done, time.time() - started, history, stopped_early, settings.steps, distilled)
 
 
 def settings_summary(settings: FinetuneSettings) -> dict:

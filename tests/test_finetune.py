@@ -14,8 +14,8 @@ from egmla.cli import main
 from egmla.conversion import ConversionOptions, convert_llama_to_egmla
 from egmla.modeling_egmla import EGMLAForCausalLM
 from egmla.text import token_blocks
-from egmla.training import FinetuneSettings, distillation_loss, finetune
-from tests.utils import STORIES260K, TINYSTORIES, needs_shared, tiny_llama
+from egmla.training import FinetuneSettings, distillation_loss, finetune, forward_logits
+from tests.utils import STORIES260K, TINYSTORIES, needs_shared, tiny_llama, tiny_model, tiny_source
 
 
 @pytest.fixture()
@@ -75,6 +75,52 @@ def test_five_steps_lower_the_distillation_loss(pair, lora):
     assert result.model.model.layers[0].self_attn.gate_embedding_proj.weight.abs().max() > 0
     assert not torch.equal(result.model.model.gate_embeddings[0].weight, tables_before)
     assert [entry["step"] for entry in result.history] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("family", ["egmla", "gemma3"])
+def test_logits_over_a_vocabulary_are_those_columns_of_the_whole_heads(family):
+    """The distillation's logits over some token ids, from the last hidden states, equal those columns of the model's
+    own logits (Gemma's soft-capping included)."""
+    model = tiny_model() if family == "egmla" else tiny_source("gemma3", final_logit_softcapping=2.0)
+    batch = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    vocabulary = torch.tensor([0, 5, 17, 40, 95])
+    with torch.no_grad():
+        logits, loss = forward_logits(model, model, batch, vocabulary)
+        torch.testing.assert_close(logits, model(batch).logits[..., vocabulary])
+    assert loss is None
+
+
+def test_a_head_larger_than_the_layers_is_distilled_over_the_texts_tokens():
+    """Where the head has more weights than the layers and is not trained, `auto` distills over the training text's
+    tokens; the KL over the whole vocabulary falls all the same."""
+    teacher = tiny_llama(vocab_size=4096)
+    blocks = torch.randint(3, 300, (16, 32), generator=torch.Generator().manual_seed(0))
+    student = convert_llama_to_egmla(teacher, ConversionOptions(kv_lora_rank=4, rope_pairs=1), blocks[:4])
+
+    def whole_vocabulary_kl(model):
+        with torch.no_grad():
+            return distillation_loss(model(blocks).logits, teacher(blocks).logits, 1.0)
+
+    before = whole_vocabulary_kl(student)
+    settings = FinetuneSettings(steps=10, batch_size=8, learning_rate=1e-3, warmup_steps=1, eval_every=0,
+                                attention_only=True)  # fmt: skip
+    result = finetune(student, teacher, blocks, settings)
+    assert result.distilled_tokens == len(torch.unique(blocks))
+    assert whole_vocabulary_kl(result.model) < before
+    for changed in ({"attention_only": False}, {"distillation_vocabulary": "full"}):
+        changed_settings = dataclasses.replace(settings, steps=1, **changed)
+        again = finetune(copy.deepcopy(result.model), teacher, blocks, changed_settings)
+        assert again.distilled_tokens is None  # the head trained, or the whole vocabulary asked for
+
+
+def test_a_small_head_is_distilled_over_the_whole_vocabulary(pair):
+    teacher, student, blocks = pair
+    result = finetune(student, teacher, blocks, FinetuneSettings(steps=1, batch_size=4, eval_every=0))
+    assert result.distilled_tokens is None
+    with pytest.raises(ValueError, match="distillation_vocabulary='text'.*ce_weight"):
+        FinetuneSettings(distillation_vocabulary="text", ce_weight=0.5)
+    with pytest.raises(ValueError, match="distillation_vocabulary must be one of"):
+        FinetuneSettings(distillation_vocabulary="some")
 
 
 def test_bf16_autocast_trains_and_hands_back_a_model_that_runs_in_fp32(pair, monkeypatch):

@@ -335,6 +335,7 @@ def result_summary(result) -> dict:
         "steps_planned": result.steps_planned,
         "seconds": round(result.seconds, 1),
         "stopped_early": result.stopped_early,
+        "distilled_tokens": result.distilled_tokens,
     }
 
 
