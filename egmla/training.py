@@ -318,6 +318,7 @@ def budgeted_start(run: Run, teacher, blocks: torch.Tensor, settings: FinetuneSe
 def head_logits(model: torch.nn.Module, hidden: torch.Tensor, vocabulary: torch.Tensor) -> torch.Tensor:
     """`model`'s output head on `hidden` over the token ids `vocabulary` only (soft-capped where its config says)."""
     head = model.get_output_embeddings()
+    vocabulary = vocabulary.to(head.weight.device)
     bias = None if head.bias is None else head.bias[vocabulary]
     logits = F.linear(hidden, head.weight[vocabulary], bias)
     cap = getattr(model.config, "final_logit_softcapping", None)
@@ -332,8 +333,8 @@ def forward_logits(
     labels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`model`'s logits on `batch` and its next-token loss on `labels` (None without): over the whole vocabulary, or
-    over `vocabulary` from the last hidden states, the whole head then run on one position only (`unwrapped` is
-    `model` without accelerate's or PEFT's wrappers, whose head it reads)."""
+    over `vocabulary` from the last hidden states, the whole head then run on one position only (`unwrapped`, whose
+    head is read, is `model` without accelerate's wrappers; a PEFT model forwards to its base model's head)."""
     if vocabulary is None:
         outputs = model(input_ids=batch, labels=labels, use_cache=False)
         return outputs.logits, outputs.loss

@@ -107,16 +107,20 @@ def test_a_head_larger_than_the_layers_is_distilled_over_the_texts_tokens():
     result = finetune(student, teacher, blocks, settings)
     assert result.distilled_tokens == len(torch.unique(blocks))
     assert whole_vocabulary_kl(result.model) < before
-    for changed in ({"attention_only": False}, {"distillation_vocabulary": "full"}):
+    lora = dataclasses.replace(settings, attention_only=False, lora=True, learning_rate=3e-3)
+    with_adapters = finetune(copy.deepcopy(student), teacher, blocks, lora)  # the head read through PEFT's model
+    assert with_adapters.distilled_tokens == len(torch.unique(blocks))
+    assert whole_vocabulary_kl(with_adapters.model) < before
+    for changed in ({"attention_only": False}, {"ce_weight": 0.5}, {"distillation_vocabulary": "full"}):
         changed_settings = dataclasses.replace(settings, steps=1, **changed)
         again = finetune(copy.deepcopy(result.model), teacher, blocks, changed_settings)
-        assert again.distilled_tokens is None  # the head trained, or the whole vocabulary asked for
+        assert again.distilled_tokens is None  # the head trained, a next-token loss, or the whole vocabulary asked
 
 
 def test_a_small_head_is_distilled_over_the_whole_vocabulary(pair):
     teacher, student, blocks = pair
-    result = finetune(student, teacher, blocks, FinetuneSettings(steps=1, batch_size=4, eval_every=0))
-    assert result.distilled_tokens is None
+    settings = FinetuneSettings(steps=1, batch_size=4, eval_every=0, attention_only=True)  # a frozen head
+    assert finetune(student, teacher, blocks, settings).distilled_tokens is None
     with pytest.raises(ValueError, match="distillation_vocabulary='text'.*ce_weight"):
         FinetuneSettings(distillation_vocabulary="text", ce_weight=0.5)
     with pytest.raises(ValueError, match="distillation_vocabulary must be one of"):
