@@ -548,6 +548,69 @@ def test_prompts_attend_by_vllms_cpu_attention_at_a_head_size_it_lacks_within_a_
     run_check(vllm_python, STAGED_ATTENTION_CHECK)
 
 
+# Run in the vLLM venv: which path each part of a batch takes in `KeyScaledAttention.forward_impl`, the paths
+# themselves stubbed (each fills its rows with its own number): decodes by the paged kernel, fresh prompts expanded,
+# prompts after a cached context (and everything off the CPU, and multi-token decodes) by the PyTorch path.
+ROUTING_CHECK = """
+from types import MethodType, SimpleNamespace
+import torch
+from egmla_vllm.attention import KeyScaledAttention
+
+heads, values, rank, rope = 2, 3, 4, 2
+calls = []
+
+
+def path(name, number):
+    def run(query, *args, **kwargs):
+        calls.append((name, query.shape[0], *args[2:3]))
+        return torch.full((query.shape[0], heads, values), float(number))
+    return run
+
+
+layer = SimpleNamespace(num_heads=heads, v_head_dim=values, up_value=lambda attended: attended,
+                        paged_decode=path("kernel", 1), expanded_prefill=path("expanded", 2), attend=path("attend", 3))
+for name in ("decodes_by_kernel", "prompts_expanded"):
+    setattr(layer, name, MethodType(getattr(KeyScaledAttention, name), layer))
+
+
+def batch(query_lens, seq_lens, decodes, decode_tokens, device="cpu"):
+    starts = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+    tokens = int(starts[-1])
+    metadata = SimpleNamespace(num_actual_tokens=tokens, num_decodes=decodes, num_decode_tokens=decode_tokens,
+                               request_query_start_loc=starts, request_seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                               prefill=object() if len(query_lens) > decodes else None)
+    output = torch.zeros(tokens, heads * values)
+    calls.clear()
+    KeyScaledAttention.forward_impl(layer, torch.randn(tokens, heads, rank + rope), torch.randn(tokens, rank),
+                                    torch.randn(tokens, 1, rope), torch.empty(1, device=device), metadata, output)
+    return output.view(tokens, heads, values)[:, 0, 0].tolist(), list(calls)
+
+
+# Two decodes, then two fresh prompts (their new tokens are their whole sequences).
+rows, paths = batch([1, 1, 5, 7], [10, 20, 5, 7], 2, 2)
+assert rows == [1] * 2 + [2] * 12 and paths == [("kernel", 2), ("expanded", 12)], (rows, paths)
+# Two decodes, then a prompt after 5 cached positions: the PyTorch path from request 2.
+rows, paths = batch([1, 1, 4], [10, 20, 9], 2, 2)
+assert rows == [1] * 2 + [3] * 4 and paths == [("kernel", 2), ("attend", 4, 2)], (rows, paths)
+# Fresh prompts beside a prompt after a cached context: all prompts by the PyTorch path.
+rows, paths = batch([1, 5, 4], [10, 5, 9], 1, 1)
+assert rows == [1] + [3] * 9 and paths == [("kernel", 1), ("attend", 9, 1)], (rows, paths)
+# Decodes of two tokens each (speculative): no kernel, everything by the PyTorch path.
+rows, paths = batch([2, 2], [10, 20], 2, 4)
+assert rows == [3] * 4 and paths == [("attend", 4, 0)], (rows, paths)
+# Off the CPU (a cache on "meta"): the PyTorch path for decodes and prompts alike.
+rows, paths = batch([1, 5], [10, 5], 1, 1, device="meta")
+assert rows == [3] * 6 and paths == [("attend", 6, 0)], (rows, paths)
+# The profile run (no metadata): zeros.
+assert KeyScaledAttention.forward_impl(layer, None, None, None, None, None, torch.ones(2, 6)).abs().sum() == 0
+print("OK")
+"""
+
+
+def test_each_part_of_a_batch_takes_its_path_through_the_key_scaled_attention(vllm_python):
+    run_check(vllm_python, ROUTING_CHECK)
+
+
 def test_the_absorbed_attention_equals_the_expanded_one_in_every_path(vllm_python):
     run_check(vllm_python, (Path(__file__).parent / "absorbed_attention_check.py").read_text())
 
