@@ -369,6 +369,7 @@ def step_loss(
     """One optimizer step over `gradient_accumulation_steps` micro-batches (`update=False`: the passes only, the
     gradients dropped); the loss of the whole global batch."""
     accelerator, micro_batches = run.accelerator, settings.gradient_accumulation_steps
+    student = accelerator.unwrap_model(run.model)  # whose head `forward_logits` reads
     total = torch.zeros((), device=accelerator.device)
     for micro in range(micro_batches):
         # Micro-batch j of process p draws the rows of "process" p * k + j: one process accumulating k
@@ -376,7 +377,6 @@ def step_loss(
         source = accelerator.process_index * micro_batches + micro
         batch = blocks[batch_indices(step, len(blocks), settings.batch_size, settings.seed, source)]
         batch = batch.to(accelerator.device)
-        student = accelerator.unwrap_model(run.model)
         with run.autocast:
             logits, next_token_loss = forward_logits(
                 run.model, student, batch, run.vocabulary, batch if settings.ce_weight > 0 else None
