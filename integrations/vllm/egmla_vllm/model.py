@@ -105,7 +105,8 @@ class EGMLAAttention(nn.Module):
     `k_norm_proj`, one per key-norm head) are cached after its rope keys; every score of a key is multiplied by its
     scale, by `KeyScaledAttention` (gate off or on the latent) or in `rebuild`. A windowed layer (`sliding_window`)
     attends only within its window (on the CPU the plugin's decode kernel and vLLM's CPU attention for prompts keep
-    it, elsewhere a mask in PyTorch; a model with one runs the plugin's attention in every mode); its rotary (`rotary`, and the model's per-step cos, sin) is the windowed layers' own where they have one.
+    it, elsewhere a mask in PyTorch; a model with one runs the plugin's attention in every mode); its rotary
+    (`rotary`, and the model's per-step cos, sin) is the windowed layers' own where they have one.
     """
 
     def __init__(self, config: EGMLAConfig, layer_idx: int, cache_config: CacheConfig | None, prefix: str,

@@ -577,8 +577,8 @@ def batch(query_lens, seq_lens, decodes, decode_tokens, device="cpu"):
     starts = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
     tokens = int(starts[-1])
     metadata = SimpleNamespace(num_actual_tokens=tokens, num_decodes=decodes, num_decode_tokens=decode_tokens,
-                               request_query_start_loc=starts, request_seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                               prefill=object() if len(query_lens) > decodes else None)
+                               request_query_start_loc=starts, prefill=object() if len(query_lens) > decodes else None,
+                               request_seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
     output = torch.zeros(tokens, heads * values)
     calls.clear()
     KeyScaledAttention.forward_impl(layer, torch.randn(tokens, heads, rank + rope), torch.randn(tokens, rank),
