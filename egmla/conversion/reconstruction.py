@@ -43,7 +43,13 @@ class ReconstructionSettings:
         "calibration blocks per step of the layer-wise fit (before packing them to the recovery length)",
         bounds="[1, inf)",
     )
-    learning_rate: float = option(1e-3, "learning rate of the layer-wise fit", bounds="(0, inf)")
+    # Relative: Adam moves each weight by about its step whatever the weight's size, and sources' weights differ in
+    # size (docs/results.md#behind-the-defaults).
+    learning_rate: float = option(
+        5e-3,
+        "learning rate of the layer-wise fit, relative to the RMS of each layer's query and output projections",
+        bounds="(0, inf)",
+    )
     fit_gate: bool = True  # fit the gate tables and W^{UE} too (False: the gate stays exactly the identity)
     gate_init: str = option(
         "least_squares",
@@ -193,13 +199,21 @@ def block_output(block: StudentBlock, student_in, blocks, rotary, settings: Reco
         return student_attention(block, student_in, blocks, rotary)
 
 
+def weight_scale(attention: torch.nn.Module) -> float:
+    """The RMS of a student attention's query and output projection weights (the source's, the query's rows mapped
+    to the student's head): the size that the layer-wise fit's learning rate is relative to."""
+    names = ("q_proj", "q_a_proj", "q_b_proj", "o_proj")
+    weights = [module.weight.detach().float() for name in names if (module := getattr(attention, name, None))]
+    return math.sqrt(sum(weight.pow(2).sum().item() for weight in weights) / sum(w.numel() for w in weights))
+
+
 def adam_steps(
     block: StudentBlock, parameters: list, streams: LayerStreams, blocks, rotary, settings: ReconstructionSettings
 ) -> None:
     """`settings.steps` Adam steps with cosine decay on `parameters` (`block_parameters`), a few random blocks a
-    step."""
+    step, at the learning rate relative to the layer's `weight_scale`."""
     device = streams.student_in.device
-    optimizer = torch.optim.Adam(parameters, lr=settings.learning_rate)
+    optimizer = torch.optim.Adam(parameters, lr=settings.learning_rate * weight_scale(block.layer.self_attn))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / settings.steps))
     )
