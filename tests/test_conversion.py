@@ -551,6 +551,7 @@ def test_layer_wise_reconstruction_lowers_the_block_errors_it_fits(fit_gate, mix
 @pytest.mark.parametrize("weight_size", [1.0, 10.0])
 def test_the_layer_wise_fit_steps_each_weight_by_its_rate_times_the_layer_weights_rms(weight_size):
     from egmla.conversion.reconstruction import (
+        LayerStreams,
         ReconstructionSettings,
         adam_steps,
         block_parameters,
@@ -572,19 +573,13 @@ def test_the_layer_wise_fit_steps_each_weight_by_its_rate_times_the_layer_weight
     before = query.detach().clone()
     hidden = student.model.embed_tokens(blocks).detach()
     target = hidden + torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))  # any target
-    streams = reconstruction_streams(hidden, target)
+    streams = LayerStreams(hidden, hidden, target)
     rotary = student.model.rotary_of(0)(hidden, torch.arange(blocks.shape[1])[None])
     settings = ReconstructionSettings(steps=1, learning_rate=0.01, mixed_precision="no")
     adam_steps(block, block_parameters(block, True), streams, blocks, rotary, settings)
     # Adam's first step moves each weight by its learning rate: 0.01 x the RMS, whatever the weights' size
     step = (query.detach() - before).abs().max().item()
     assert step == pytest.approx(0.01 * rms, rel=1e-3)
-
-
-def reconstruction_streams(hidden: torch.Tensor, target: torch.Tensor):
-    from egmla.conversion.reconstruction import LayerStreams
-
-    return LayerStreams(hidden, hidden, target)
 
 
 def test_the_layer_wise_fit_attends_eagerly_on_a_cpu_as_sdpa_does_and_the_model_keeps_its_attention():
