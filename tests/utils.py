@@ -223,9 +223,10 @@ def assert_same_model(student, teacher, input_ids: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "egmla" / "data" / "stories260K-tokenizer"
-# `egmla convert` flags that make a tiny conversion take a second: closed form, few short calibration blocks.
+# `egmla convert` flags that make a tiny conversion take a second: closed form, few short calibration blocks, few
+# samples of the source (where they are drawn: no text, or text with a share of samples).
 FAST = ["--kv-lora-rank", "16", "--rope-split", "exact", "--reconstruction-steps", "0", "--calibration-blocks", "4",
-        "--block-size", "32"]  # fmt: skip
+        "--block-size", "32", "--sampled-blocks", "16", "--held-aside-samples", "3"]  # fmt: skip
 
 
 # The stories260K tokenizer's size in each family's folder: Qwen2's tokenizer class adds <|endoftext|> (id 512).

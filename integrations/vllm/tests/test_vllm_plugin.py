@@ -186,9 +186,13 @@ def qwen2_models() -> dict[str, EGMLAForCausalLM]:
     }
 
 
+# Their tiny folders get random norm weights and are served over 16-token blocks, prefilled in chunks of 64, the
+# prefix cache on, with a 150-token prompt and a second one that shares its first 100 tokens too.
 LONG_PROMPTS_FOLDERS = [
     "gate-latent", "gate-kv-two-rope-keys", "exact-gate-kv", "qk-norm-gate-latent-gqa", "qk-norm-gemma-gate-off",
+    "gate-off-odd-widths",
 ]  # fmt: skip
+LONG_ENGINE = dict(block_size=16, enable_prefix_caching=True, max_num_batched_tokens=64)
 # bf16: vLLM's CPU latent kernels for the absorbed modes (rows of 32, 40 padded to 64, 26 padded to 32), the
 # rebuilding attention for the gate on K/V, and the key-scaled attention for qk_norm.
 BFLOAT16_FOLDERS = [
@@ -234,15 +238,20 @@ def served(vllm_python, tmp_path_factory) -> dict[str, tuple[dict, EGMLAForCausa
         models[name] = (model, prompts)
 
     for name in TINY_FOLDERS:
-        add(f"tiny/{name}", tiny_model(name), PROMPTS)
+        if name not in LONG_PROMPTS_FOLDERS:
+            add(f"tiny/{name}", tiny_model(name), PROMPTS)
+            continue
+        # One engine (the worker's, for consecutive requests with the same settings) serves both prompt sets.
+        add(f"tiny/{name}", with_random_norms(tiny_model(name)), PROMPTS, **LONG_ENGINE)
+        add(f"long/{name}", models[f"tiny/{name}"][0], long_prompts(), folder=Path(requests[f"tiny/{name}"]["folder"]),
+            max_tokens=6, **LONG_ENGINE)  # fmt: skip
     for name in BFLOAT16_FOLDERS:
+        engine = LONG_ENGINE if name in LONG_PROMPTS_FOLDERS else {}
         add(f"bfloat16/{name}", models[f"tiny/{name}"][0], PROMPTS, folder=Path(requests[f"tiny/{name}"]["folder"]),
-            dtype="bfloat16")  # fmt: skip
-    for name in LONG_PROMPTS_FOLDERS:  # over 16-token blocks, prefilled in chunks of 64, the prefix cache on
-        add(f"long/{name}", with_random_norms(tiny_model(name)), long_prompts(), max_tokens=6, block_size=16,
-            enable_prefix_caching=True, max_num_batched_tokens=64)  # fmt: skip
-    add("long-bfloat16/gate-off-odd-widths", with_random_norms(tiny_model("gate-off-odd-widths")), long_prompts(),
-        max_tokens=6, block_size=16, dtype="bfloat16")  # fmt: skip
+            dtype="bfloat16", **engine)  # fmt: skip
+        if name == "gate-off-odd-widths":
+            add("long-bfloat16/gate-off-odd-widths", models[f"tiny/{name}"][0], long_prompts(),
+                folder=Path(requests[f"tiny/{name}"]["folder"]), max_tokens=6, dtype="bfloat16", **engine)  # fmt: skip
     if STORIES260K.exists():
         for name, student in stories_models().items():
             add(f"stories/{name}", student, STORIES_PROMPTS, max_tokens=24, logprobs=1)
@@ -433,16 +442,8 @@ print("OK")
 """
 
 
-def run_check(vllm_python: str, script: str) -> None:
-    """`script` run by the vLLM venv's python; it prints OK at its end."""
-    done = subprocess.run(
-        [vllm_python, "-c", script], capture_output=True, text=True, env={**os.environ, **VLLM_ENV}, timeout=600
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-4000:]
-
-
-def test_the_paged_attention_reads_each_requests_own_rows_past_nan_slots(vllm_python):
-    run_check(vllm_python, PAGED_DECODE_CHECK)
+def test_the_paged_attention_reads_each_requests_own_rows_past_nan_slots(checks):
+    assert_check(checks, "paged attention")
 
 
 # The decode kernel checks' paged cache: 4 requests of 1 to 700 rows over shuffled blocks of 16, other slots NaN.
@@ -489,8 +490,8 @@ print("OK")
 """
 
 
-def test_the_fp32_decode_kernel_reads_each_requests_own_rows_in_place(vllm_python):
-    run_check(vllm_python, PAGED_KERNEL_CHECK)
+def test_the_fp32_decode_kernel_reads_each_requests_own_rows_in_place(checks):
+    assert_check(checks, "fp32 decode kernel")
 
 
 # Run in the vLLM venv: the same kernel in fp32, bf16 and fp16 with `qk_norm`'s key-norm scales (3 per row, 3 query
@@ -513,8 +514,8 @@ print("OK")
 """
 
 
-def test_the_decode_kernel_scales_each_keys_scores_and_keeps_to_a_window_in_every_float_dtype(vllm_python):
-    run_check(vllm_python, PAGED_SCALED_KERNEL_CHECK)
+def test_the_decode_kernel_scales_each_keys_scores_and_keeps_to_a_window_in_every_float_dtype(checks):
+    assert_check(checks, "scaled decode kernel")
 
 
 # Run in the vLLM venv: prompts of unequal lengths by vLLM's CPU attention at a head size it lacks (40: padded to its
@@ -544,8 +545,8 @@ print("OK")
 """
 
 
-def test_prompts_attend_by_vllms_cpu_attention_at_a_head_size_it_lacks_within_a_window(vllm_python):
-    run_check(vllm_python, STAGED_ATTENTION_CHECK)
+def test_prompts_attend_by_vllms_cpu_attention_at_a_head_size_it_lacks_within_a_window(checks):
+    assert_check(checks, "staged attention")
 
 
 # Run in the vLLM venv: which path each part of a batch takes in `KeyScaledAttention.forward_impl`, the paths
@@ -607,12 +608,55 @@ print("OK")
 """
 
 
-def test_each_part_of_a_batch_takes_its_path_through_the_key_scaled_attention(vllm_python):
-    run_check(vllm_python, ROUTING_CHECK)
+def test_each_part_of_a_batch_takes_its_path_through_the_key_scaled_attention(checks):
+    assert_check(checks, "routing")
 
 
-def test_the_absorbed_attention_equals_the_expanded_one_in_every_path(vllm_python):
-    run_check(vllm_python, (Path(__file__).parent / "absorbed_attention_check.py").read_text())
+# Every check above, each run by the vLLM venv's python in its own namespace, in one process (importing vLLM's modules
+# once): each prints OK at its end.
+CHECKS = {
+    "paged attention": PAGED_DECODE_CHECK,
+    "fp32 decode kernel": PAGED_KERNEL_CHECK,
+    "scaled decode kernel": PAGED_SCALED_KERNEL_CHECK,
+    "staged attention": STAGED_ATTENTION_CHECK,
+    "routing": ROUTING_CHECK,
+    "absorbed attention": (HERE / "absorbed_attention_check.py").read_text(),
+}
+CHECK_RUNNER = """
+import contextlib, io, json, sys, traceback
+for name, script in json.load(open(sys.argv[1])).items():
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(script, name, "exec"), {"__name__": "__check__"})
+        failure = "" if printed.getvalue().strip().endswith("OK") else "no OK at its end: " + printed.getvalue()[-2000:]
+    except Exception:
+        failure = traceback.format_exc()[-4000:]
+    print("CHECK " + json.dumps([name, failure]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def checks(vllm_python, tmp_path_factory) -> dict[str, str]:
+    """{check name: "" where it printed OK, else its failure}, from one run of every check in the vLLM venv."""
+    scripts = tmp_path_factory.mktemp("checks") / "checks.json"
+    scripts.write_text(json.dumps(CHECKS))
+    done = subprocess.run(
+        [vllm_python, "-c", CHECK_RUNNER, str(scripts)], capture_output=True, text=True, env={**os.environ, **VLLM_ENV},
+        timeout=600,
+    )  # fmt: skip
+    failures = dict(json.loads(line[6:]) for line in done.stdout.splitlines() if line.startswith("CHECK "))
+    for name in CHECKS.keys() - failures.keys():
+        failures[name] = f"the check process ended before it (exit {done.returncode}):\n{done.stderr[-4000:]}"
+    return failures
+
+
+def assert_check(checks: dict[str, str], name: str) -> None:
+    assert checks[name] == "", checks[name]
+
+
+def test_the_absorbed_attention_equals_the_expanded_one_in_every_path(checks):
+    assert_check(checks, "absorbed attention")
 
 
 def free_port() -> int:

@@ -1,5 +1,6 @@
 """Runs vLLM engines on folders, one after another in this process (starting Python and importing vLLM costs
-about 20 s on 2 cores, an engine on a tiny folder 3 s), and prints one JSON line per request: greedy tokens and
+about 20 s on 2 cores, an engine on a tiny folder 3 s; consecutive requests with the same folder and engine settings
+share one engine), and prints one JSON line per request: greedy tokens and
 their logprobs, the KV bytes per token vLLM allocates, the tokens/s and seconds (with `time_prefill`, also the
 prefill's seconds and the tokens/s after it), the most requests running at once and the preemptions, or the error
 the engine raised.
@@ -48,13 +49,28 @@ class SchedulerWatch:
             self.preemptions += 1
             return preempt(*args, **kwargs)
 
+        self.scheduler, self.originals = scheduler, (schedule, preempt)
         scheduler.schedule, scheduler._preempt_request = watched_schedule, watched_preempt
 
+    def restore(self) -> None:
+        """The scheduler's own methods back, so that the engine's next request is watched afresh."""
+        self.scheduler.schedule, self.scheduler._preempt_request = self.originals
 
-def serve(request: dict) -> dict:
+
+# What a request may set of its engine; the rest (prompts, max_tokens, logprobs, ...) is the request's own.
+ENGINE_FIELDS = ("folder", "dtype", "max_model_len", "max_num_seqs", "enforce_eager", "block_size",
+                 "enable_prefix_caching", "max_num_batched_tokens")  # fmt: skip
+
+
+def engine_key(request: dict) -> str:
+    return json.dumps({name: request.get(name) for name in ENGINE_FIELDS}, sort_keys=True)
+
+
+def start_engine(request: dict):
+    """The engine a request asks for, warmed up by one short request."""
     from vllm import LLM, SamplingParams
 
-    engine = {  # what a request may set: long prompts over small blocks, prefix caching, chunked prefill, a dtype
+    engine = {  # long prompts over small blocks, prefix caching, chunked prefill
         name: request[name]
         for name in ("block_size", "enable_prefix_caching", "max_num_batched_tokens")
         if name in request
@@ -68,12 +84,19 @@ def serve(request: dict) -> dict:
         seed=0,
         **engine,
     )
+    warm_up = [{"prompt_token_ids": request["prompts"][0]}]
+    llm.generate(warm_up, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    return llm
+
+
+def serve(llm, request: dict) -> dict:
+    from vllm import SamplingParams
+
     logprobs = request.get("logprobs", 1) or None  # 0: none (a benchmark)
     params = SamplingParams(
         max_tokens=request["max_tokens"], temperature=0, logprobs=logprobs, ignore_eos=request.get("ignore_eos", False)
     )
     prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm-up
     prefill = None
     if request.get("time_prefill"):  # the prompts' prefill alone (one new token each), before the whole call
         llm.reset_prefix_cache()  # so that neither call finds the prompts already cached
@@ -83,7 +106,10 @@ def serve(request: dict) -> dict:
         llm.reset_prefix_cache()
     watch = SchedulerWatch(llm)
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        watch.restore()
     elapsed = time.perf_counter() - started
     tokens = [list(output.outputs[0].token_ids) for output in outputs]
     logprobs = [
@@ -105,7 +131,6 @@ def serve(request: dict) -> dict:
         after = elapsed - prefill
         decoded = sum(len(ids) - 1 for ids in tokens)
         result["decode_tokens_per_second"] = decoded / after if after > 0.05 * elapsed else None
-    del llm
     return result
 
 
@@ -121,12 +146,19 @@ def release_engine() -> None:
 def main() -> None:
     with open(sys.argv[1]) as file:
         requests = json.load(file)
+    llm, key = None, None
     for name, request in requests.items():
         try:
-            result = serve(request)
+            if engine_key(request) != key:
+                if llm is not None:
+                    llm, key = None, None
+                    release_engine()
+                llm, key = start_engine(request), engine_key(request)
+            result = serve(llm, request)
         except Exception as error:  # reported per request: a test may expect a refusal
             result = {"error": f"{type(error).__name__}: {error}"}
-        release_engine()
+            llm, key = None, None
+            release_engine()
         print("RESULT " + json.dumps({"name": name, **result}), flush=True)
 
 
