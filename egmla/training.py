@@ -9,6 +9,7 @@ the batch of every step is a function of (seed, step), so a resumed run sees the
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import shutil
@@ -184,11 +185,18 @@ def with_lora(model: EGMLAForCausalLM, settings: FinetuneSettings) -> PeftModel:
 
 
 def save_checkpoint(
-    accelerator: Accelerator, folder: Path, step: int, history: list[dict], steps: int, finished: bool = False
+    accelerator: Accelerator,
+    folder: Path,
+    step: int,
+    history: list[dict],
+    steps: int,
+    finished: bool = False,
+    vocabulary: dict | None = None,
 ) -> None:
     """accelerate state + progress, written beside the last checkpoint and swapped in by renames (on the main
     process; every process takes part in `save_state`). `finished`: the run ended there (its steps done, or stopped
-    at its time limit), so a resumed run trains no further."""
+    at its time limit), so a resumed run trains no further. `vocabulary`: `vocabulary_record` of the ids distilled
+    over, so that a resume over other ids is refused."""
     staging = folder.with_name(folder.name + ".saving")
     previous = folder.with_name(folder.name + ".previous")
     if accelerator.is_main_process:
@@ -197,7 +205,9 @@ def save_checkpoint(
     accelerator.save_state(str(staging / STATE_FOLDER))
     if accelerator.is_main_process:
         (staging / PROGRESS_FILE).write_text(
-            json.dumps({"step": step, "history": history, "steps": steps, "finished": finished})
+            json.dumps(
+                {"step": step, "history": history, "steps": steps, "finished": finished, "vocabulary": vocabulary}
+            )
         )
         shutil.rmtree(previous, ignore_errors=True)
         if folder.exists():
@@ -205,6 +215,15 @@ def save_checkpoint(
         staging.rename(folder)
         shutil.rmtree(previous, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def vocabulary_record(vocabulary: torch.Tensor | None) -> dict | None:
+    """What a checkpoint records of the token ids its loss was distilled over: their count and a digest (None: the
+    whole vocabulary)."""
+    if vocabulary is None:
+        return None
+    ids = vocabulary.detach().to("cpu", torch.int64).sort().values.numpy().tobytes()
+    return {"tokens": len(vocabulary), "sha256": hashlib.sha256(ids).hexdigest()}
 
 
 def resume_checkpoint(settings: "FinetuneSettings") -> Path | None:
@@ -278,6 +297,8 @@ def prepare_run(student: EGMLAForCausalLM, settings: FinetuneSettings) -> Run:
     if settings.attention_only:
         for name, param in model.named_parameters():
             param.requires_grad_(".self_attn." in name or "gate_embeddings" in name)
+    elif not settings.lora:  # every weight, whatever an earlier run left frozen
+        model.requires_grad_(True)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=settings.weight_decay)
@@ -342,17 +363,20 @@ def forward_logits(
     return head_logits(unwrapped, outputs.hidden_states[-1], vocabulary), None
 
 
+def head_outweighs_layers(student: EGMLAForCausalLM) -> bool:
+    head = student.get_output_embeddings().weight.numel()
+    return head > sum(parameter.numel() for parameter in student.model.layers.parameters())
+
+
 def distilled_vocabulary(
     student: EGMLAForCausalLM, teacher: torch.nn.Module | None, blocks: torch.Tensor, settings: FinetuneSettings
 ) -> torch.Tensor | None:
     """The token ids the distillation covers (`settings.distillation_vocabulary`): those of `blocks`, or None for
     the whole vocabulary."""
     choice = settings.distillation_vocabulary
-    if choice == "auto":
-        head = student.get_output_embeddings().weight.numel()
-        layers = sum(parameter.numel() for parameter in student.model.layers.parameters())
-        frozen_head = settings.attention_only or settings.lora  # a head trained over some tokens would drift on others
-        choice = "text" if settings.ce_weight == 0 and frozen_head and head > layers else "full"
+    if choice == "auto":  # a head trained over some tokens would drift on the others
+        frozen_head = settings.attention_only or settings.lora
+        choice = "text" if settings.ce_weight == 0 and frozen_head and head_outweighs_layers(student) else "full"
     if choice == "full" or teacher is None or settings.distill_weight <= 0:
         return None
     return torch.unique(blocks)
@@ -410,13 +434,30 @@ class Progress(NamedTuple):
     finished: bool
 
 
+def vocabulary_described(record: dict | None) -> str:
+    return "the whole vocabulary" if record is None else f"{record['tokens']} token ids of its text"
+
+
+def check_resumed_vocabulary(progress: dict, vocabulary: dict | None, checkpoint: Path) -> None:
+    """A resumed run distils over the ids its checkpoint did (its loss would change mid-schedule otherwise); a
+    checkpoint from before the record was kept is taken as it is."""
+    if "vocabulary" not in progress or progress["vocabulary"] == vocabulary:
+        return
+    saved, asked = (vocabulary_described(record) for record in (progress["vocabulary"], vocabulary))
+    raise ValueError(
+        f"--resume: the checkpoint in {checkpoint} distilled over {saved}, this run over {asked}: resume with the "
+        "same --train-text and distillation vocabulary, or start afresh without --resume."
+    )
+
+
 def resume_state(run: Run, settings: FinetuneSettings) -> Progress:
     """The progress of the last checkpoint when resuming (its state loaded into `run`), else a fresh start."""
     resume_from = resume_checkpoint(settings)
     if resume_from is None:
         return Progress(0, [], None, False)
-    run.accelerator.load_state(str(resume_from / STATE_FOLDER))
     progress = json.loads((resume_from / PROGRESS_FILE).read_text())
+    check_resumed_vocabulary(progress, vocabulary_record(run.vocabulary), resume_from)
+    run.accelerator.load_state(str(resume_from / STATE_FOLDER))
     run.accelerator.print(f"resumed from {resume_from} at step {progress['step']}")
     return Progress(progress["step"], progress["history"], progress.get("steps"), progress.get("finished", False))
 
@@ -482,6 +523,7 @@ def train_loop(
     if teacher is not None:
         teacher = teacher.to(accelerator.device).eval()
     checkpoint = Path(settings.checkpoint_dir) / LAST_CHECKPOINT if settings.checkpoint_dir else None
+    record = vocabulary_record(run.vocabulary)
     started = time.time()
     settings, start_step, history = scheduled(run, teacher, train_blocks, settings)
     stopped_early = False
@@ -504,13 +546,13 @@ def train_loop(
             history.append({"step": done, "held_out_loss": held_out, "held_out_accuracy": accuracy})
             accelerator.print(f"step {done}: held-out perplexity {math.exp(held_out):.3f}")
         if checkpoint is not None and settings.save_every and done % settings.save_every == 0:
-            save_checkpoint(accelerator, checkpoint, done, history, settings.steps)
+            save_checkpoint(accelerator, checkpoint, done, history, settings.steps, vocabulary=record)
         if settings.max_minutes is not None and time.time() - started > settings.max_minutes * 60:
             stopped_early = done < settings.steps
             break
     steps_done = step + 1 if settings.steps > start_step else start_step
     if checkpoint is not None:
-        save_checkpoint(accelerator, checkpoint, steps_done, history, settings.steps, finished=True)
+        save_checkpoint(accelerator, checkpoint, steps_done, history, settings.steps, finished=True, vocabulary=record)
     # Without the autocast wrapper of a mixed precision configured through `accelerate launch`.
     model = accelerator.unwrap_model(run.model, keep_fp32_wrapper=False)
     if isinstance(model, PeftModel):

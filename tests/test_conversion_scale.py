@@ -11,7 +11,8 @@ import conversion_scale  # noqa: E402
 
 from egmla.data import EXCERPT  # noqa: E402
 
-QUICK = ["--calibration-blocks", "8", "--eval-documents", "4", "--reconstruction-steps", "2", "--steps", "1"]
+QUICK = ["--calibration-blocks", "8", "--eval-documents", "4", "--reconstruction-steps", "2", "--steps", "1",
+         "--sampled-blocks", "8", "--held-aside-samples", "3"]  # fmt: skip
 
 
 def test_the_scale_benchmark_reports_stage_times_and_peak_memory(tmp_path, capsys):

@@ -111,7 +111,13 @@ def test_a_head_larger_than_the_layers_is_distilled_over_the_texts_tokens():
     with_adapters = finetune(copy.deepcopy(student), teacher, blocks, lora)  # the head read through PEFT's model
     assert with_adapters.distilled_tokens == len(torch.unique(blocks))
     assert whole_vocabulary_kl(with_adapters.model) < before
-    for changed in ({"attention_only": False}, {"ce_weight": 0.5}, {"distillation_vocabulary": "full"}):
+    # All weights trained (what an attention-only run left frozen included): the whole vocabulary.
+    whole = dataclasses.replace(settings, attention_only=False)
+    trained = finetune(copy.deepcopy(result.model), teacher, blocks, whole)
+    for name in ("model.layers.0.mlp.up_proj.weight", "lm_head.weight"):
+        assert not torch.equal(trained.model.get_parameter(name), result.model.get_parameter(name)), name
+    changes = ({"attention_only": False}, {"ce_weight": 0.5}, {"distillation_vocabulary": "full"})
+    for changed in changes:
         changed_settings = dataclasses.replace(settings, steps=1, **changed)
         again = finetune(copy.deepcopy(result.model), teacher, blocks, changed_settings)
         assert again.distilled_tokens is None  # the head trained, a next-token loss, or the whole vocabulary asked
@@ -232,6 +238,12 @@ def test_retrofit_end_to_end_on_stories260k(tmp_path):
             "--eval-every",
             "0",
             "--score-stages",
+            "--reconstruction-steps",
+            "20",
+            "--sampled-blocks",
+            "16",
+            "--held-aside-samples",
+            "6",
         ]
     )
     report = json.loads((out / "conversion_report.json").read_text())
@@ -296,6 +308,27 @@ def test_resume_falls_back_to_the_previous_checkpoint(tmp_path):
         finetune(student, teacher, blocks, FinetuneSettings(steps=0))
 
 
+def test_a_resume_over_another_distilled_vocabulary_is_refused_by_name(tmp_path):
+    """A checkpoint records the token ids its loss was distilled over; a resume whose settings or text give other
+    ids is refused before it trains (its loss would change mid-schedule), the same ids resume."""
+    teacher = tiny_llama()
+    blocks = torch.randint(3, 96, (16, 32), generator=torch.Generator().manual_seed(0))
+    student = convert_llama_to_egmla(teacher, ConversionOptions(kv_lora_rank=12, rope_pairs=2), blocks[:4])
+    settings = FinetuneSettings(steps=4, batch_size=4, eval_every=0, save_every=2, checkpoint_dir=tmp_path,
+                                distillation_vocabulary="text", attention_only=True)  # fmt: skip
+    finetune(copy.deepcopy(student), teacher, blocks[:8], dataclasses.replace(settings, steps=2))
+    record = json.loads((tmp_path / "last" / "progress.json").read_text())["vocabulary"]
+    assert record["tokens"] == len(torch.unique(blocks[:8])) and len(record["sha256"]) == 64
+    resumed = dataclasses.replace(settings, resume=True)
+    with pytest.raises(ValueError, match=r"distilled over \d+ token ids of its text, this run over the whole vocab"):
+        whole_vocabulary = dataclasses.replace(resumed, distillation_vocabulary="full")
+        finetune(copy.deepcopy(student), teacher, blocks[:8], whole_vocabulary)
+    with pytest.raises(ValueError, match=r"--resume: the checkpoint in .* distilled over \d+ token ids of its text, "
+                                         r"this run over \d+ token ids of its text"):  # fmt: skip
+        finetune(copy.deepcopy(student), teacher, blocks[8:] % 50, resumed)  # other text, fewer ids
+    assert finetune(copy.deepcopy(student), teacher, blocks[:8], resumed).steps_done == 4
+
+
 def test_a_run_stopped_at_its_time_limit_resumes_to_the_same_model(tmp_path):
     """A kill after the last checkpoint of a run that stopped early (its minutes spent) trains no further on
     resume: the checkpoint says the run ended."""
@@ -331,6 +364,12 @@ def test_finetune_cli_refuses_an_existing_output_and_resumes(tmp_path, capsys):
             "--train-text",
             str(TINYSTORIES),
             "--steps",
+            "0",
+            "--reconstruction-steps",
+            "0",
+            "--source-sample-share",
+            "0",
+            "--held-aside-samples",
             "0",
             "--block-size",
             "64",

@@ -58,7 +58,9 @@ def test_two_processes_equal_one_process_with_gradient_accumulation(tmp_path):
     needs_shared(TINYSTORIES)
     student = tmp_path / "student"
     main(["convert", str(STORIES260K), "--out", str(student), "--kv-cut", "0.5", "--rope-pairs", "3", "--gate-embedding-dim", "8",
-          "--train-text", str(TINYSTORIES), "--calibration-blocks", "4", "--block-size", "64", "--eval-documents", "8", "--steps", "0"])  # fmt: skip
+          "--train-text", str(TINYSTORIES), "--calibration-blocks", "4", "--block-size", "64", "--eval-documents", "8",
+          "--steps", "0", "--reconstruction-steps", "0", "--source-sample-share", "0",
+          "--held-aside-samples", "0"])  # fmt: skip
 
     main(finetune_args(student, tmp_path / "one", tmp_path / "one.checkpoints", grad_accum=2))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), "-m", "egmla.cli"]
