@@ -333,6 +333,7 @@ peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 open(sys.argv[1], "w").write(json.dumps({"peak_device_bytes": peak}))
 """
 TINY_CONVERT = ["--calibration-blocks", "4", "--block-size", "64", "--reconstruction-steps", "3", "--steps", "2",
+                "--sampled-blocks", "8", "--held-aside-samples", "3",
                 "--eval-documents", "4"]  # fmt: skip
 
 
