@@ -57,9 +57,10 @@ class SchedulerWatch:
         self.scheduler.schedule, self.scheduler._preempt_request = self.originals
 
 
-# What a request may set of its engine; the rest (prompts, max_tokens, logprobs, ...) is the request's own.
-ENGINE_FIELDS = ("folder", "dtype", "max_model_len", "max_num_seqs", "enforce_eager", "block_size",
-                 "enable_prefix_caching", "max_num_batched_tokens")  # fmt: skip
+# What a request may set of its engine (the rest, prompts, max_tokens, logprobs..., is the request's own): long
+# prompts over small blocks, prefix caching and chunked prefill, passed only where given; and the engine's basics.
+OPTIONAL_ENGINE_FIELDS = ("block_size", "enable_prefix_caching", "max_num_batched_tokens")
+ENGINE_FIELDS = ("folder", "dtype", "max_model_len", "max_num_seqs", "enforce_eager", *OPTIONAL_ENGINE_FIELDS)
 
 
 def engine_key(request: dict) -> str:
@@ -70,11 +71,7 @@ def start_engine(request: dict):
     """The engine a request asks for, warmed up by one short request."""
     from vllm import LLM, SamplingParams
 
-    engine = {  # long prompts over small blocks, prefix caching, chunked prefill
-        name: request[name]
-        for name in ("block_size", "enable_prefix_caching", "max_num_batched_tokens")
-        if name in request
-    }
+    engine = {name: request[name] for name in OPTIONAL_ENGINE_FIELDS if name in request}
     llm = LLM(
         model=request["folder"],
         dtype=request.get("dtype", "float32"),
