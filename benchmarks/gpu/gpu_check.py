@@ -223,7 +223,8 @@ def decode_errors(check: Check) -> list[dict]:
     for shape, make_config in error_shapes(check.tiny).items():
         # Every gate form on the paper's shape; a conversion's default (off) and the paper's (on K/V) on the others.
         names = tuple(GATE_CASES) if shape.startswith("paper") else ("off", "kv")
-        cases = {name: GATE_CASES[name] for name in (names if not check.tiny else names[-2:])}
+        # --tiny: one case a shape (the paper's gate off, the conversion's on K/V), every path still taken.
+        cases = {name: GATE_CASES[name] for name in (names if not check.tiny else names[-1:])}
         for case, gate in cases.items():
             config = make_config(gate)
             for dtype in (torch.float32, torch.bfloat16):
