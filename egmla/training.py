@@ -363,20 +363,17 @@ def forward_logits(
     return head_logits(unwrapped, outputs.hidden_states[-1], vocabulary), None
 
 
-def head_outweighs_layers(student: EGMLAForCausalLM) -> bool:
-    head = student.get_output_embeddings().weight.numel()
-    return head > sum(parameter.numel() for parameter in student.model.layers.parameters())
-
-
 def distilled_vocabulary(
     student: EGMLAForCausalLM, teacher: torch.nn.Module | None, blocks: torch.Tensor, settings: FinetuneSettings
 ) -> torch.Tensor | None:
     """The token ids the distillation covers (`settings.distillation_vocabulary`): those of `blocks`, or None for
     the whole vocabulary."""
     choice = settings.distillation_vocabulary
-    if choice == "auto":  # a head trained over some tokens would drift on the others
-        frozen_head = settings.attention_only or settings.lora
-        choice = "text" if settings.ce_weight == 0 and frozen_head and head_outweighs_layers(student) else "full"
+    if choice == "auto":
+        head = student.get_output_embeddings().weight.numel()
+        layers = sum(parameter.numel() for parameter in student.model.layers.parameters())
+        frozen_head = settings.attention_only or settings.lora  # a head trained over some tokens would drift on others
+        choice = "text" if settings.ce_weight == 0 and frozen_head and head > layers else "full"
     if choice == "full" or teacher is None or settings.distill_weight <= 0:
         return None
     return torch.unique(blocks)

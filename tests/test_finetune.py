@@ -320,8 +320,8 @@ def test_a_resume_over_another_distilled_vocabulary_is_refused_by_name(tmp_path)
     record = json.loads((tmp_path / "last" / "progress.json").read_text())["vocabulary"]
     assert record["tokens"] == len(torch.unique(blocks[:8])) and len(record["sha256"]) == 64
     resumed = dataclasses.replace(settings, resume=True)
+    whole_vocabulary = dataclasses.replace(resumed, distillation_vocabulary="full")
     with pytest.raises(ValueError, match=r"distilled over \d+ token ids of its text, this run over the whole vocab"):
-        whole_vocabulary = dataclasses.replace(resumed, distillation_vocabulary="full")
         finetune(copy.deepcopy(student), teacher, blocks[:8], whole_vocabulary)
     with pytest.raises(ValueError, match=r"--resume: the checkpoint in .* distilled over \d+ token ids of its text, "
                                          r"this run over \d+ token ids of its text"):  # fmt: skip
